@@ -1,0 +1,19 @@
+"""The KV memory path: sub-allocators, the hybrid SWA allocator and the req-to-token table."""
+
+from engine_stub.mem.allocator import (
+    BaseTokenToKVPoolAllocator,
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    create_sub_allocator,
+)
+from engine_stub.mem.req_to_token import ReqToTokenPool
+from engine_stub.mem.swa import SWATokenToKVPoolAllocator
+
+__all__ = [
+    "BaseTokenToKVPoolAllocator",
+    "PagedTokenToKVPoolAllocator",
+    "ReqToTokenPool",
+    "SWATokenToKVPoolAllocator",
+    "TokenToKVPoolAllocator",
+    "create_sub_allocator",
+]
