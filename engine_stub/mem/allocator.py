@@ -81,7 +81,10 @@ class BaseTokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.device = torch.device(device)
-        self._drops = torch.zeros(len(DROP_KINDS), dtype=torch.int64, device=self.device)
+        # Freed entries by outcome: [0] recycled, [1 + i] dropped as DROP_KINDS[i].
+        self._outcomes = torch.zeros(1 + len(DROP_KINDS), dtype=torch.int64, device=self.device)
+        # Scratch row for spotting a page named twice in one free (see `_release_pages`).
+        self._claims = torch.zeros(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.clear()
 
     # ---- state ----------------------------------------------------------------------------
@@ -123,7 +126,7 @@ class BaseTokenToKVPoolAllocator:
 
     def drop_counts(self) -> dict[str, int]:
         """Bad frees dropped so far, by kind (a host read: idle ticks and tests)."""
-        return dict(zip(DROP_KINDS, (int(v) for v in self._drops.tolist()), strict=True))
+        return dict(zip(DROP_KINDS, self._outcomes[1:].tolist(), strict=True))
 
     # ---- pages ----------------------------------------------------------------------------
 
@@ -137,20 +140,32 @@ class BaseTokenToKVPoolAllocator:
         self.page_allocated.index_fill_(0, pages, True)
         return pages
 
-    def _release_pages(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        """Return `pages` to the free list, routing every bad one to page 0 (sync-free)."""
+    def _release_pages(
+        self, pages: torch.Tensor, slots: torch.Tensor, *, distinct: bool = False
+    ) -> None:
+        """Return `pages` to the free list, routing every bad one to page 0 (sync-free).
+
+        `distinct` says the caller already deduplicated `pages`. Otherwise a page named twice in
+        one call (a slot freed twice inside one free group) goes back once and its repeats count
+        as double frees: each entry writes its position into a scratch row, and exactly one of a
+        repeated page's entries reads its own position back. Fixed shapes, so still no sync.
+        """
         in_pool = (pages >= 0) & (pages <= self.num_pages)
         safe = torch.where(in_pool, pages, 0)
-        not_reserved = safe != 0
-        allocated = self.page_allocated[safe] & not_reserved
-        expect(_OUT_OF_POOL, in_pool, "id past the pool end", slots=slots)
-        expect(_RESERVED_SLOT, ~in_pool | not_reserved, "padding page", slots=slots)
-        expect(_DOUBLE_FREE, ~in_pool | ~not_reserved | allocated, "not allocated", slots=slots)
+        # Page 0 never reads as allocated (routed entries only ever clear it), so an id past the
+        # pool or inside the padding page fails this test as well.
+        allocated = self.page_allocated[safe]
+        if not distinct:
+            order = torch.arange(pages.numel(), dtype=torch.int64, device=self.device)
+            self._claims.index_copy_(0, safe, order)
+            allocated &= self._claims[safe] == order
+        # One outcome per entry, indexing `_outcomes`: 0 recycled, else 1 + its DROP_KINDS index.
+        outcome = torch.where(in_pool, torch.where(safe == 0, 3, 1), 2).masked_fill_(allocated, 0)
+        expect(_OUT_OF_POOL, outcome != 2, "id past the pool end", slots=slots)
+        expect(_RESERVED_SLOT, outcome != 3, "padding page", slots=slots)
+        expect(_DOUBLE_FREE, outcome != 1, "not allocated", slots=slots)
+        self._outcomes.index_add_(0, outcome, torch.ones_like(outcome))
         routed = torch.where(allocated, safe, 0)
-        self._drops[0].add_((in_pool & not_reserved & ~allocated).sum())
-        self._drops[1].add_((~in_pool).sum())
-        self._drops[2].add_((in_pool & ~not_reserved).sum())
-        # Page 0 stays False: routed entries only ever clear it.
         self.page_allocated.index_fill_(0, routed, False)
         self.release_pages.append(routed)
         self._released += int(routed.numel())
@@ -280,7 +295,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         free_index = free_index.to(torch.int64)
         # Paged frees dedup to pages: a data-dependent shape (SGLang's unique does the same).
         pages = torch.unique(torch.div(free_index, self.page_size, rounding_mode="floor"))
-        self._release_pages(pages, pages * self.page_size)
+        self._release_pages(pages, pages * self.page_size, distinct=True)
 
 
 def create_sub_allocator(

@@ -133,15 +133,11 @@ class SWATokenToKVPoolAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` slots on both sides, or None with nothing taken. Returns FULL indices."""
-        if need_size > self.full_available_size() or need_size > self.swa_available_size():
+        if not self._both_sides_have(-(-need_size // self.page_size)):
             return None
         full = self.full_attn_allocator.alloc(need_size)
         swa = self.swa_attn_allocator.alloc(need_size)
-        if full is None or swa is None:  # staged frees that merged into fewer than promised
-            self._undo(full, swa)
-            return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
+        return self._pair(full, swa)
 
     def alloc_extend(
         self,
@@ -152,18 +148,12 @@ class SWATokenToKVPoolAllocator:
     ) -> torch.Tensor | None:
         """Paged extend on both sides (page_size > 1); see PagedTokenToKVPoolAllocator."""
         full_side, swa_side = self._paged_sides()
-        need_pages = num_new_pages(prefix_lens, seq_lens, self.page_size)
-        need_tokens = need_pages * self.page_size
-        if need_tokens > self.full_available_size() or need_tokens > self.swa_available_size():
+        if not self._both_sides_have(num_new_pages(prefix_lens, seq_lens, self.page_size)):
             return None
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
         full = full_side.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
         swa = swa_side.alloc_extend(prefix_lens, seq_lens, swa_last_loc, extend_num_tokens)
-        if full is None or swa is None:
-            self._undo(full, swa)
-            return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
+        return self._pair(full, swa)
 
     def alloc_decode(self, seq_lens: list[int], last_loc: torch.Tensor) -> torch.Tensor | None:
         """Paged decode on both sides (page_size > 1).
@@ -172,17 +162,12 @@ class SWATokenToKVPoolAllocator:
         cannot strand the full side's new pages.
         """
         full_side, swa_side = self._paged_sides()
-        need_tokens = sum((seq - 1) % self.page_size == 0 for seq in seq_lens) * self.page_size
-        if need_tokens > self.full_available_size() or need_tokens > self.swa_available_size():
+        if not self._both_sides_have(sum((seq - 1) % self.page_size == 0 for seq in seq_lens)):
             return None
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
         full = full_side.alloc_decode(seq_lens, last_loc)
         swa = swa_side.alloc_decode(seq_lens, swa_last_loc)
-        if full is None or swa is None:
-            self._undo(full, swa)
-            return None
-        self.set_full_to_swa_mapping(full, swa)
-        return full
+        return self._pair(full, swa)
 
     def _paged_sides(self) -> tuple[PagedTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator]:
         full_side, swa_side = self.full_attn_allocator, self.swa_attn_allocator
@@ -191,11 +176,28 @@ class SWATokenToKVPoolAllocator:
         assert isinstance(swa_side, PagedTokenToKVPoolAllocator)
         return full_side, swa_side
 
-    def _undo(self, full: torch.Tensor | None, swa: torch.Tensor | None) -> None:
-        if full is not None:
-            self.full_attn_allocator.free(full)
-        if swa is not None:
-            self.swa_attn_allocator.free(swa)
+    def _both_sides_have(self, need_pages: int) -> bool:
+        """Whether both sub-allocators can hand out `need_pages` pages, decided before either does.
+
+        `available_size` also counts staged frees, and a bad free staged there is dropped at the
+        merge, so it can promise more than a side holds. When a side's merged free list alone
+        falls short, fold its staged frees first (the merge its own alloc would run anyway):
+        then the answer is exact, and no side can fail after the other took its pages. Undoing
+        a half-done extend would be wrong: its slots include the prefix's partial page.
+        """
+        for side in (self.full_attn_allocator, self.swa_attn_allocator):
+            if need_pages * self.page_size > side.available_size():  # an upper bound: no merge helps
+                return False
+            if need_pages > side.free_pages.numel():
+                side.merge_and_sort_free()
+                if need_pages > side.free_pages.numel():
+                    return False
+        return True
+
+    def _pair(self, full: torch.Tensor | None, swa: torch.Tensor | None) -> torch.Tensor:
+        assert full is not None and swa is not None, "a side failed after _both_sides_have"
+        self.set_full_to_swa_mapping(full, swa)
+        return full
 
     # ---- free --------------------------------------------------------------------------------
 
@@ -276,8 +278,11 @@ class SWATokenToKVPoolAllocator:
         self._expect_within_bound(self.full_attn_allocator)
 
     def _expect_within_bound(self, side: BaseTokenToKVPoolAllocator) -> None:
-        # Host ints on both sides: a CPU scalar tensor, so the check costs no device sync.
-        expect(POOL_BOUND, torch.tensor(side.available_size() / side.size), "available > size")
+        # Host ints on both sides, so the host already knows the answer, and a passing value
+        # never fires: only a breach pays for the (CPU scalar, sync-free) check.
+        fraction = side.available_size() / side.size
+        if not 0 <= fraction <= 1:
+            expect(POOL_BOUND, torch.tensor(fraction), "available > size")
 
     # ---- snapshots -----------------------------------------------------------------------------
 

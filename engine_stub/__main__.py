@@ -1,0 +1,69 @@
+"""`python -m engine_stub`: serve the engine over HTTP.
+
+Every knob is a flag and an `ENGINE_STUB_*` variable (see --help). With --port 0 the engine binds
+a free port; either way it prints one line `engine_stub ready on http://HOST:PORT` when it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from engine_stub.config import ConfigError, add_config_flags, config_from_sources
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_stub",
+        description="A mini serving engine carrying SGLang's hybrid SWA KV memory path.",
+    )
+    parser.add_argument("--scenario", default=None, metavar="PATH",
+                        help="a scenario YAML whose engine and perturbations sections to apply "
+                             "[env ENGINE_STUB_SCENARIO]")
+    add_config_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    scenario_path = args.pop("scenario")
+    import os
+
+    scenario_path = scenario_path or os.environ.get("ENGINE_STUB_SCENARIO") or None
+    perturber, overrides = None, {}
+    try:
+        if scenario_path:
+            from engine_stub.perturb.loader import load_engine_scenario
+
+            overrides, perturber = load_engine_scenario(scenario_path)
+        config = config_from_sources(flags=args, overrides=overrides, overrides_source=str(scenario_path))
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"engine_stub: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from engine_stub.engine import Engine
+    from engine_stub.server import create_app
+
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as exc:
+        print(f"engine_stub: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    engine = Engine(config, perturber=perturber)
+    engine.events.write("listening", host=config.host, port=port)
+    engine.start()
+    app = create_app(engine)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+    print(f"engine_stub ready on http://{config.host}:{port}", flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""EngineConfig: every knob of the engine, settable by flag, environment variable or scenario YAML.
+
+Precedence (highest first): the scenario's engine section, command-line flags, `ENGINE_STUB_*`
+environment variables, defaults. The engine records the config in force in its event log and in
+`GET /state`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EngineConfig", "ConfigError", "config_from_sources", "add_config_flags", "KNOB_HELP"]
+
+ENV_PREFIX = "ENGINE_STUB_"
+
+
+class ConfigError(ValueError):
+    """A knob has a bad value; the message names the knob, where it came from, and the value."""
+
+
+KNOB_HELP: dict[str, str] = {
+    "device": "auto | cpu | cuda (auto: cuda when available)",
+    "page_size": "slots per KV page, both pools",
+    "window": "sliding-window size in tokens of the SWA layers",
+    "full_pool_tokens": "slots in the full-attention KV pool",
+    "swa_pool_tokens": "slots in the SWA KV pool (size it below the workload footprint so slots recycle)",
+    "layer_pattern": "one letter per layer: F full attention, S sliding window (e.g. FSSF)",
+    "max_running_requests": "request rows in the req-to-token pool",
+    "max_context_len": "longest prompt + generation a request may have",
+    "max_prefill_tokens": "token budget of one prefill step",
+    "radix_cache": "keep finished requests' KV in the SWA radix cache (true|false)",
+    "invariant_check": "off | warn | strict (also 0|1|2)",
+    "strict_mem_check_during_idle": "1: a failed idle ledger crashes the engine; 0: count and log",
+    "kv_canary": "off | log | raise",
+    "kv_canary_sweep_interval": "steps between sweeps of every slot the radix cache holds (0: never)",
+    "seed": "seed of the model weights and of seeded sampling",
+    "hidden_size": "model width",
+    "num_heads": "attention heads (head_dim = hidden_size / num_heads)",
+    "host": "address to bind (loopback unless told otherwise)",
+    "port": "port to bind (0: pick a free one and report it)",
+    "event_log": "path of the JSONL event log ('' : <tmp>/engine_stub-<pid>.events.jsonl)",
+    "gate_requests": "lockstep gate for deterministic replay: total requests the driver will send (0: off)",
+    "gate_concurrency": "lockstep gate: requests the driver keeps in flight",
+    "gate_timeout_s": "longest a gated step waits for the driver before it goes on without it",
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "invariant_check": ("off", "warn", "strict"),
+    "kv_canary": ("off", "log", "raise"),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. Validated on construction; `ConfigError` names the field."""
+
+    device: str = "auto"
+    page_size: int = 1
+    window: int = 16
+    full_pool_tokens: int = 2048
+    swa_pool_tokens: int = 320
+    layer_pattern: str = "SFSS"
+    max_running_requests: int = 4
+    max_context_len: int = 512
+    max_prefill_tokens: int = 1024
+    radix_cache: bool = True
+    invariant_check: str = "off"
+    strict_mem_check_during_idle: bool = True
+    kv_canary: str = "off"
+    kv_canary_sweep_interval: int = 8
+    seed: int = 0
+    hidden_size: int = 32
+    num_heads: int = 2
+    host: str = "127.0.0.1"
+    port: int = 30000
+    event_log: str = ""
+    gate_requests: int = 0
+    gate_concurrency: int = 0
+    gate_timeout_s: float = 5.0
+    # Not a knob: which source set each field, recorded with the config in force.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            where = self.sources.get(name, "default")
+            return ConfigError(f"{name}={getattr(self, name)!r} (from {where}): {why}")
+
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise bad(name, f"must be one of {'|'.join(choices)}")
+        for name in ("page_size", "window", "full_pool_tokens", "swa_pool_tokens",
+                     "max_running_requests", "max_context_len", "max_prefill_tokens",
+                     "hidden_size", "num_heads"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        for name in ("full_pool_tokens", "swa_pool_tokens"):
+            if getattr(self, name) % self.page_size:
+                raise bad(name, f"must be a multiple of page_size={self.page_size}")
+        if self.swa_pool_tokens > self.full_pool_tokens:
+            raise bad("swa_pool_tokens", f"must not exceed full_pool_tokens={self.full_pool_tokens}")
+        if not self.layer_pattern or set(self.layer_pattern) - {"F", "S"}:
+            raise bad("layer_pattern", "must be a non-empty string of F (full) and S (sliding window)")
+        if self.hidden_size % self.num_heads:
+            raise bad("hidden_size", f"must be divisible by num_heads={self.num_heads}")
+        if not 0 <= self.port <= 65535:
+            raise bad("port", "must be in 0..65535")
+        if self.kv_canary_sweep_interval < 0:
+            raise bad("kv_canary_sweep_interval", "must be >= 0")
+        if self.gate_requests < 0 or self.gate_concurrency < 0 or self.gate_timeout_s <= 0:
+            raise bad("gate_requests", "gate_requests/gate_concurrency must be >= 0, gate_timeout_s > 0")
+        if self.max_context_len > self.full_pool_tokens:
+            raise bad("max_context_len", f"must fit in full_pool_tokens={self.full_pool_tokens}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    @property
+    def has_swa_layers(self) -> bool:
+        return "S" in self.layer_pattern
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def knobs(self) -> dict[str, Any]:
+        """Every knob and its value (what the run records as the config in force)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+
+
+def _knob_fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "sources"}
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    """Turn a flag/env/YAML value into the field's type, or raise ConfigError naming it."""
+    default = _knob_fields()[name].default
+    try:
+        if isinstance(default, bool):
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true|false|1|0")
+        if isinstance(default, int):
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError("expected an integer")
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if name == "invariant_check":
+            return {"0": "off", "1": "warn", "2": "strict"}.get(str(raw).strip().lower(), str(raw).strip().lower())
+        if name in _CHOICES:
+            return str(raw).strip().lower()
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}={raw!r} (from {source}): {exc}") from None
+
+
+def config_from_sources(
+    *,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    overrides_source: str = "scenario",
+) -> EngineConfig:
+    """Build the config in force: defaults < environment < flags < overrides (the scenario).
+
+    Args:
+        flags: parsed command-line values; None entries mean "not given".
+        environ: the environment (default `os.environ`), read for `ENGINE_STUB_<KNOB>`.
+        overrides: the scenario's engine section (already validated names).
+        overrides_source: how to name the overrides in errors and in `sources`.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in _knob_fields():
+        env_name = ENV_PREFIX + name.upper()
+        if environ.get(env_name, "") != "":
+            values[name] = _coerce(name, environ[env_name], env_name)
+            sources[name] = env_name
+    for name, raw in (flags or {}).items():
+        if raw is not None:
+            values[name] = _coerce(name, raw, "--" + name.replace("_", "-"))
+            sources[name] = "--" + name.replace("_", "-")
+    for name, raw in (overrides or {}).items():
+        if name not in _knob_fields():
+            raise ConfigError(f"unknown engine knob {name!r} (from {overrides_source}); known: {', '.join(_knob_fields())}")
+        values[name] = _coerce(name, raw, overrides_source)
+        sources[name] = overrides_source
+    return EngineConfig(**values, sources=sources)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--knob-name` flag per knob; every default is None so unset flags defer to the env."""
+    for name, f in _knob_fields().items():
+        env_name = ENV_PREFIX + name.upper()
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=None,
+            metavar=type(f.default).__name__.upper(),
+            help=f"{KNOB_HELP[name]} [env {env_name}; default {f.default!r}]",
+        )

@@ -1,0 +1,274 @@
+"""Engine: the scheduler's thread, its inbox, the lockstep gate, idle ticks and the crash path.
+
+The HTTP server submits requests from its own thread; the engine thread admits them, steps the
+scheduler while there is work, and runs one idle tick each time it falls idle. Any error that
+escapes a step is logged (durably) as a `crash` event before the process exits with a code that
+says why: 3 for an invariant, 4 for the KV canary in raise mode, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_stub.config import EngineConfig
+from engine_stub.events import EventLog
+from engine_stub.invariants import (
+    Firing,
+    InvariantCheckLevel,
+    InvariantViolation,
+    drain_firings,
+    firing_from_device_assert,
+    reset_counters,
+    set_default_level,
+    set_firing_sink,
+)
+from engine_stub.req import Req
+from engine_stub.scheduler import CanaryRaised, Scheduler
+
+__all__ = ["Engine", "EXIT_CODES"]
+
+EXIT_CODES = {"invariant": 3, "kv_canary": 4, "error": 1}
+
+
+def default_event_log_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"engine_stub-{os.getpid()}.events.jsonl"
+
+
+class Engine:
+    """Runs a `Scheduler` on a background thread.
+
+    Args:
+        config: the config in force.
+        perturber: a loaded perturbation set, or None (every hook site is then skipped).
+        exit_on_crash: kill the process after logging a crash (the server); False keeps the
+            process alive and fails pending requests (in-process tests).
+    """
+
+    def __init__(self, config: EngineConfig, *, perturber: Any = None, exit_on_crash: bool = True) -> None:
+        self.config = config
+        self.exit_on_crash = exit_on_crash
+        self.events = EventLog(config.event_log or default_event_log_path())
+        torch.manual_seed(config.seed)
+        reset_counters()
+        set_default_level(InvariantCheckLevel.parse(config.invariant_check, source="invariant_check"))
+        set_firing_sink(self._on_firing)
+        self.scheduler = Scheduler(config, self.events, perturber)
+        self._cond = threading.Condition()
+        self._inbox: list[Req] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.step_lock = threading.Lock()  # held during a step; /state reads under it
+        self.received = 0
+        self.completed = 0
+        self.crash: dict | None = None
+        self.last_idle: dict | None = None
+        self._pending: dict[str, Req] = {}
+        self.events.write("engine_start", config=config.knobs(),
+                          config_sources=dict(config.sources), torch=torch.__version__,
+                          device=str(self.scheduler.device), pid=os.getpid())
+
+    # ---- submission ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        rid: str | None = None,
+        on_finish: Callable[[Req], None] | None = None,
+    ) -> Req:
+        """Queue a request. Raises RequestRejected when it could never be served."""
+        self.scheduler.check_fits(len(input_ids), max_new_tokens)
+        with self._cond:
+            if self.crash is not None:
+                raise RuntimeError(f"engine crashed: {self.crash['error']}")
+            self.received += 1
+            rid = rid or f"req-{self.received:06d}"
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{self.config.seed}:{rid}".encode()))
+            req = Req(rid, list(input_ids), max_new_tokens, temperature, self.received, gen,
+                      self._finisher(on_finish))
+            self._pending[rid] = req
+            self._inbox.append(req)
+            self._cond.notify_all()
+        return req
+
+    def _finisher(self, on_finish: Callable[[Req], None] | None) -> Callable[[Req], None]:
+        def finished(req: Req) -> None:
+            with self._cond:
+                self.completed += 1
+                self._pending.pop(req.rid, None)
+                self._cond.notify_all()
+            if on_finish is not None:
+                on_finish(req)
+
+        return finished
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Let running and waiting requests finish (up to the timeout), then stop the thread."""
+        deadline = time.monotonic() + drain_timeout_s
+        with self._cond:
+            while (self._inbox or self.scheduler.has_work) and self.crash is None and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.events.write("shutdown", durable=True, completed=self.completed, received=self.received)
+        self.events.close()
+        set_firing_sink(None)
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Block until nothing is queued or running and the idle tick has run (tests, drivers)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while time.monotonic() < deadline and self.crash is None:
+                if not self._inbox and not self.scheduler.has_work and self.last_idle is not None \
+                        and self.last_idle.get("after_step") == self.scheduler.step_no:
+                    return True
+                self._cond.wait(0.05)
+        return False
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        idle_due = True
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        return
+                    self._admit_inbox()
+                    if not self.scheduler.has_work:
+                        if not idle_due:
+                            self._cond.wait(0.05)
+                            continue
+                if self.scheduler.has_work:
+                    self._wait_for_gate()
+                    with self.step_lock:
+                        self.scheduler.step()
+                    idle_due = True
+                elif idle_due:
+                    with self.step_lock:
+                        result = self.scheduler.idle_tick()
+                        drain_firings()
+                    with self._cond:
+                        self.last_idle = {**result, "after_step": self.scheduler.step_no}
+                        self._cond.notify_all()
+                    idle_due = False
+        except BaseException as exc:  # noqa: BLE001 - every death must be logged first
+            self._on_crash(exc)
+
+    def _admit_inbox(self) -> None:
+        for req in self._inbox:
+            self.scheduler.add_request(req)
+        self._inbox.clear()
+
+    def _wait_for_gate(self) -> None:
+        """Lockstep gate: hold the step until the driver's next requests have arrived.
+
+        With `gate_requests` N and `gate_concurrency` C, the driver keeps min(C, N - completed)
+        requests in flight; stepping before they arrive would make batch composition (and so the
+        event trace) depend on HTTP timing.
+        """
+        cfg = self.config
+        if cfg.gate_requests <= 0:
+            return
+        deadline = time.monotonic() + cfg.gate_timeout_s
+        with self._cond:
+            while True:
+                want = min(cfg.gate_concurrency or cfg.gate_requests, cfg.gate_requests - self.completed)
+                if self.received - self.completed >= want or self._stopping:
+                    break
+                if time.monotonic() >= deadline:
+                    self.events.write("gate_timeout", received=self.received, completed=self.completed)
+                    break
+                self._cond.wait(0.01)
+            self._admit_inbox()
+
+    # ---- firings and crashes ---------------------------------------------------------------------
+
+    def _on_firing(self, firing: Firing) -> None:
+        self.events.write("invariant_firing", durable=True, **firing.to_dict())
+
+    def _on_crash(self, exc: BaseException) -> None:
+        if isinstance(exc, InvariantViolation):
+            cause, detail = "invariant", exc.firing.to_dict()
+        elif isinstance(exc, CanaryRaised):
+            cause, detail = "kv_canary", {"violations": len(exc.violations)}
+        elif (firing := firing_from_device_assert(exc)) is not None:
+            self._on_firing(firing)
+            cause, detail = "invariant", firing.to_dict()
+        else:
+            cause, detail = "error", {}
+        code = EXIT_CODES[cause]
+        self.crash = {"cause": cause, "error": str(exc)[:2000], "exit_code": code, **detail}
+        self.events.write("crash", durable=True, cause=cause, error=str(exc)[:2000], exit_code=code,
+                          traceback=traceback.format_exc(limit=12), detail=detail)
+        print(f"engine_stub: crashed ({cause}): {exc}", file=sys.stderr, flush=True)
+        if self.exit_on_crash:
+            self.events.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        with self._cond:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._cond.notify_all()
+        for req in pending:
+            req.finish_reason = "engine_crashed"
+            if req.on_finish is not None:
+                req.on_finish(req)
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """Pools, ledgers, hit counts, canary counters and exercise stats (a consistent snapshot)."""
+        from engine_stub.invariants import hit_counts
+
+        with self.step_lock:
+            sched = self.scheduler
+            alloc = sched.allocator
+            return {
+                "step": sched.step_no,
+                "running": len(sched.running),
+                "waiting": len(sched.waiting) + len(self._inbox),
+                "received": self.received,
+                "completed": self.completed,
+                "pools": {
+                    "full": {"size": alloc.size_full, "available": alloc.full_available_size()},
+                    "swa": {"size": alloc.size_swa, "available": alloc.swa_available_size()},
+                    "req_rows": {"size": sched.req_to_token_pool.size,
+                                 "available": sched.req_to_token_pool.available_size()},
+                    "radix_tokens": sched.tree_cache.total_size() if sched.tree_cache else 0,
+                },
+                "last_idle_check": self.last_idle,
+                "invariant_hits": hit_counts(),
+                "drops": alloc.drop_counts(),
+                "kv_canary": {"mode": sched.canary.mode, **sched.canary.stats},
+                "exercise": {**sched.exercise_stats(),
+                             "max_mapping_nonidentity": sched.idle.max_mapping_nonidentity},
+                "stats": dict(sched.stats),
+                "config": self.config.knobs(),
+                "crash": self.crash,
+                "event_log": str(self.events.path),
+            }

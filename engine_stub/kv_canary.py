@@ -1,0 +1,341 @@
+"""KV canary: per-slot shadow records that prove every slot a forward reads holds what it should.
+
+For each pool (FULL, SWA) a record per slot row: (token, position, prev_hash, kv_hash).
+`prev_hash` chains every position to the one before it, `kv_hash` folds the real K/V bytes of the
+group's layers. A forward is bracketed by a HEAD verify (chain + position of every prefix slot
+the batch will read; SWA group: last window only) and a TAIL verify (the same plus the real-KV
+hash, after the new records were written). Every `sweep_interval` steps a SWEEP verifies every
+slot the radix cache holds. A token oracle (the sampled token, noted before anything can touch
+it) catches a write whose input token differs (`write_token`).
+
+Verification never reads the device: failures accumulate in device masks and counters, and
+`collect()` reads them once, at the end of a step, where the engine synchronizes anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_stub.mem.kv_pool import HybridKVPool
+
+__all__ = ["CanaryViolation", "KVCanary", "REASONS", "CanaryRequest"]
+
+REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash", "write_token")
+GROUPS = ("FULL", "SWA")
+PHASES = ("HEAD", "TAIL", "SWEEP", "WRITE")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_CHAIN_SEED = _signed(0xC0FFEE1234567890)
+_MIX_MULTIPLIERS = [_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)]
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # Logical shift on int64 (torch's >> is arithmetic).
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = x + _MIX_MULTIPLIERS[0]
+    x = (x ^ _shr(x, 30)) * _MIX_MULTIPLIERS[1]
+    x = (x ^ _shr(x, 27)) * _MIX_MULTIPLIERS[2]
+    return x ^ _shr(x, 31)
+
+
+def _mix4(prev: torch.Tensor, token: torch.Tensor, position: torch.Tensor, kv_hash: torch.Tensor) -> torch.Tensor:
+    return _splitmix(
+        prev * _MIX_MULTIPLIERS[0] + token * _MIX_MULTIPLIERS[1]
+        + position * _MIX_MULTIPLIERS[2] + kv_hash * _MIX_MULTIPLIERS[3]
+    )
+
+
+@dataclass(frozen=True)
+class CanaryRequest:
+    """What the canary needs of one request in a batch."""
+
+    rid: str
+    row: int  # req_to_token row
+    prefix_len: int  # positions whose KV existed before this step
+    seq_len: int  # positions with KV after this step
+    new_token_ids: list[int]  # input ids of positions [prefix_len, seq_len)
+
+
+@dataclass(frozen=True)
+class CanaryViolation:
+    reason: str
+    group: str
+    phase: str
+    slot: int  # FULL slot (what req_to_token holds)
+    pool_row: int  # row in the group's pool (the SWA slot for the SWA group)
+    position: int
+    request: str
+    stored: int
+    expected: int
+    step: int
+
+    @property
+    def launch_tag(self) -> str:
+        return f"{self.phase}_{self.group}"
+
+    def log_line(self) -> str:
+        """The frozen one-line format reports and greps rely on."""
+        return (
+            f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reason} "
+            f"slot_idx={self.slot} pool_row={self.pool_row} position={self.position} "
+            f"request={self.request or '-'} stored={self.stored:#x} expected={self.expected:#x} "
+            f"step={self.step}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "reason": self.reason, "group": self.group, "phase": self.phase, "slot": self.slot,
+            "pool_row": self.pool_row, "position": self.position, "request": self.request,
+            "stored": self.stored, "expected": self.expected, "step": self.step,
+        }
+
+
+@dataclass
+class _Pending:
+    """One verification's failure masks, kept as device tensors until `collect()`."""
+
+    phase: str
+    group: str
+    failed: dict[str, torch.Tensor]  # reason -> bool [n]
+    stored: dict[str, torch.Tensor]
+    expected: dict[str, torch.Tensor]
+    slots: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+    requests: list[str]  # per element
+
+
+class KVCanary:
+    """Shadow records for the FULL and SWA pools of `kv_pool`.
+
+    Args:
+        mode: off | log | raise. `off` makes every method a no-op.
+        kv_pool: the pools whose real K/V bytes are hashed.
+        window: the SWA layers' window (the SWA group verifies only the last window).
+        sweep_interval: steps between radix sweeps (0: never).
+    """
+
+    def __init__(self, mode: str, kv_pool: HybridKVPool, window: int, sweep_interval: int) -> None:
+        if mode not in ("off", "log", "raise"):
+            raise ValueError(f"kv_canary mode must be off|log|raise, got {mode!r}")
+        self.mode = mode
+        self.enabled = mode != "off"
+        self.kv_pool = kv_pool
+        self.window = window
+        self.sweep_interval = sweep_interval
+        device = kv_pool.full_to_swa_index_mapping.device
+        self.device = device
+        self.group_layers = {"FULL": kv_pool.group_layers(False), "SWA": kv_pool.group_layers(True)}
+        self.groups = [g for g in GROUPS if self.group_layers[g]]
+        rows = {"FULL": kv_pool.full_rows, "SWA": kv_pool.swa_rows}
+        # [rows, 4] int64: token, position, prev_hash, kv_hash.
+        self.records = {g: torch.zeros(rows[g], 4, dtype=torch.int64, device=device) for g in self.groups}
+        self._pending: list[_Pending] = []
+        self._oracle: dict[str, int] = {}
+        self._host_violations: list[CanaryViolation] = []
+        self.stats = {"verify_full": 0, "verify_swa": 0, "sweep_passes": 0, "writes": 0, "violations": 0}
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _rows(self, group: str, slots: torch.Tensor) -> torch.Tensor:
+        if group == "SWA":
+            return self.kv_pool.full_to_swa_index_mapping[slots]
+        return slots
+
+    def _kv_hash(self, group: str, rows: torch.Tensor) -> torch.Tensor:
+        # A linear fold with odd weights: any change to one 64-bit word changes the sum.
+        words = [
+            buf[rows].reshape(rows.numel(), -1).view(torch.int64)
+            for layer in self.group_layers[group]
+            for buf in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])
+        ]
+        flat = torch.cat(words, dim=1)
+        weights = (torch.arange(flat.shape[1], dtype=torch.int64, device=self.device) * 2 + 1) * _MIX_MULTIPLIERS[3]
+        return _splitmix((flat * weights).sum(dim=1))
+
+    @staticmethod
+    def _positions(reqs: list[CanaryRequest], lo_of, hi_of) -> tuple[list[int], list[int], list[int]]:
+        req_idx, rows, positions = [], [], []
+        for i, req in enumerate(reqs):
+            lo, hi = lo_of(req), hi_of(req)
+            req_idx.extend([i] * (hi - lo))
+            rows.extend([req.row] * (hi - lo))
+            positions.extend(range(lo, hi))
+        return req_idx, rows, positions
+
+    # ---- write ------------------------------------------------------------------------------
+
+    def note_sampled(self, rid: str, token_id: int) -> None:
+        """The token oracle: what request `rid` must write next (noted at the sampler exit)."""
+        if self.enabled:
+            self._oracle[rid] = token_id
+
+    def forget(self, rid: str) -> None:
+        self._oracle.pop(rid, None)
+
+    def write(self, reqs: list[CanaryRequest], req_to_token: torch.Tensor, step: int) -> None:
+        """Record the new positions of every request (after the forward wrote their KV)."""
+        if not self.enabled or not reqs:
+            return
+        for req in reqs:
+            expected = self._oracle.pop(req.rid, None)
+            if expected is not None and req.new_token_ids and req.new_token_ids[0] != expected:
+                slot = int(req_to_token[req.row, req.prefix_len])
+                self._host_violations.append(
+                    CanaryViolation("write_token", "FULL", "WRITE", slot, slot, req.prefix_len,
+                                    req.rid, req.new_token_ids[0], expected, step)
+                )
+        rows_t = torch.tensor([r.row for r in reqs], device=self.device)
+        max_extend = max(r.seq_len - r.prefix_len for r in reqs)
+        for group in self.groups:
+            records = self.records[group]
+            # The running hash is seeded from the record at prefix_len - 1 (the seed slot).
+            seed_pos = torch.tensor([max(r.prefix_len - 1, 0) for r in reqs], device=self.device)
+            seed_rows = self._rows(group, req_to_token[rows_t, seed_pos].to(torch.int64))
+            seed = records[seed_rows]
+            prev = _mix4(seed[:, 2], seed[:, 0], seed[:, 1], seed[:, 3])
+            has_prefix = torch.tensor([r.prefix_len > 0 for r in reqs], device=self.device)
+            prev = torch.where(has_prefix, prev, torch.full_like(prev, _CHAIN_SEED))
+            for j in range(max_extend):
+                active = [i for i, r in enumerate(reqs) if r.prefix_len + j < r.seq_len]
+                idx = torch.tensor(active, device=self.device)
+                pos = torch.tensor([reqs[i].prefix_len + j for i in active], device=self.device)
+                tok = torch.tensor([reqs[i].new_token_ids[j] for i in active], device=self.device)
+                slots = req_to_token[rows_t[idx], pos].to(torch.int64)
+                rows = self._rows(group, slots)
+                kvh = self._kv_hash(group, rows)
+                record = torch.stack([tok, pos, prev[idx], kvh], dim=1)
+                records.index_copy_(0, rows, record)
+                prev = prev.index_copy(0, idx, _mix4(prev[idx], tok, pos, kvh))
+        self.stats["writes"] += sum(r.seq_len - r.prefix_len for r in reqs)
+
+    # ---- verify -----------------------------------------------------------------------------
+
+    def verify(self, phase: str, reqs: list[CanaryRequest], req_to_token: torch.Tensor, step: int) -> None:
+        """HEAD (before the forward: positions < prefix_len) or TAIL (after: < seq_len)."""
+        if not self.enabled or not reqs:
+            return
+        upto = (lambda r: r.prefix_len) if phase == "HEAD" else (lambda r: r.seq_len)
+        for group in self.groups:
+            lo_of = (lambda r: 0) if group == "FULL" else (lambda r, upto=upto: max(0, upto(r) - self.window))
+            req_idx, rows, positions = self._positions(reqs, lo_of, upto)
+            if not positions:
+                continue
+            rows_t = torch.tensor(rows, device=self.device)
+            pos_t = torch.tensor(positions, device=self.device)
+            slots = req_to_token[rows_t, pos_t].to(torch.int64)
+            # The chain of a position is checked against its predecessor when that is in range.
+            prev_in_range = [p == 0 or (i > 0 and positions[i - 1] == p - 1 and req_idx[i - 1] == req_idx[i])
+                             for i, p in enumerate(positions)]
+            prev_slots = req_to_token[rows_t, (pos_t - 1).clamp(min=0)].to(torch.int64)
+            self._verify_slots(
+                phase, group, slots, pos_t, prev_slots,
+                torch.tensor(prev_in_range, device=self.device),
+                [reqs[i].rid for i in req_idx], check_kv=(phase == "TAIL"), step=step,
+            )
+
+    def sweep(self, cached_paths: list, step: int) -> None:
+        """Verify every slot the radix cache holds (chain, position and real-KV hash)."""
+        if not self.enabled or not cached_paths:
+            return
+        self.stats["sweep_passes"] += 1
+        for group in self.groups:
+            slots_parts, pos_parts, prev_parts, chain_parts = [], [], [], []
+            for path in cached_paths:
+                n = path.slots.numel()
+                if n == 0:
+                    continue
+                live = torch.ones(n, dtype=torch.bool, device=self.device) if group == "FULL" else path.swa_live.to(self.device)
+                pos = torch.arange(n, device=self.device)
+                prev_live = torch.cat([torch.ones(1, dtype=torch.bool, device=self.device), live[:-1]])
+                keep = live.tolist()  # host read: sweeps run at the end of a step
+                if not any(keep):
+                    continue
+                keep_t = torch.tensor(keep, device=self.device)
+                slots_parts.append(path.slots.to(self.device)[keep_t])
+                pos_parts.append(pos[keep_t])
+                prev_parts.append(path.slots.to(self.device)[(pos - 1).clamp(min=0)][keep_t])
+                chain_parts.append((prev_live | (pos == 0))[keep_t])
+            if not slots_parts:
+                continue
+            self._verify_slots(
+                "SWEEP", group, torch.cat(slots_parts), torch.cat(pos_parts), torch.cat(prev_parts),
+                torch.cat(chain_parts), None, check_kv=True, step=step,
+            )
+
+    def _verify_slots(
+        self,
+        phase: str,
+        group: str,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        prev_slots: torch.Tensor,
+        check_chain: torch.Tensor,
+        requests: list[str] | None,
+        *,
+        check_kv: bool,
+        step: int,
+    ) -> None:
+        records = self.records[group]
+        rows = self._rows(group, slots)
+        # Row 0 is padding: an unmapped (released) SWA peer or a zeroed entry reads there.
+        checked = rows > 0
+        stored = records[rows]
+        prev = records[self._rows(group, prev_slots)]
+        expected_prev = torch.where(
+            positions == 0, torch.full_like(positions, _CHAIN_SEED), _mix4(prev[:, 2], prev[:, 0], prev[:, 1], prev[:, 3])
+        )
+        failed = {
+            "verify_chain_hash": checked & check_chain & (stored[:, 2] != expected_prev),
+            "verify_position": checked & (stored[:, 1] != positions),
+        }
+        stored_values = {"verify_chain_hash": stored[:, 2], "verify_position": stored[:, 1]}
+        expected_values = {"verify_chain_hash": expected_prev, "verify_position": positions}
+        if check_kv:
+            actual = self._kv_hash(group, rows)
+            failed["verify_real_kv_hash"] = checked & (stored[:, 3] != actual)
+            stored_values["verify_real_kv_hash"] = stored[:, 3]
+            expected_values["verify_real_kv_hash"] = actual
+        self.stats["verify_full" if group == "FULL" else "verify_swa"] += int(slots.numel())
+        self._pending.append(
+            _Pending(phase, group, failed, stored_values, expected_values, slots, rows, positions,
+                     requests or [""] * int(slots.numel()))
+        )
+
+    # ---- readout ------------------------------------------------------------------------------
+
+    def collect(self, step: int) -> list[CanaryViolation]:
+        """Turn this step's failure masks into violations (one host read; end of step only)."""
+        if not self.enabled:
+            return []
+        pending, self._pending = self._pending, []
+        violations, self._host_violations = self._host_violations, []
+        if pending:
+            counts = torch.stack([m.sum() for p in pending for m in p.failed.values()]).tolist()
+            it = iter(counts)
+            for p in pending:
+                for reason, mask in p.failed.items():
+                    if next(it) == 0:
+                        continue
+                    for i in mask.nonzero().flatten().tolist():
+                        violations.append(
+                            CanaryViolation(
+                                reason, p.group, p.phase, int(p.slots[i]), int(p.rows[i]),
+                                int(p.positions[i]), p.requests[i], int(p.stored[reason][i]),
+                                int(p.expected[reason][i]), step,
+                            )
+                        )
+        self.stats["violations"] += len(violations)
+        return violations

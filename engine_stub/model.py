@@ -1,0 +1,241 @@
+"""A tiny hybrid transformer whose attention reads its KV through the pools.
+
+Byte-level vocabulary (256 ids, no tokenizer), rotary positions, a configurable pattern of
+full-attention (F) and sliding-window (S) layers, weights drawn from a seed. Full layers gather
+their keys through `req_to_token`; SWA layers through `req_to_token` and then the full-to-SWA
+mapping, and see only the last `window` positions. A corrupted row or mapping therefore changes
+the bytes that are read, and the output.
+
+`reference_generate` recomputes every token from scratch with the right causal and window masks:
+the output oracle. It runs in float64, so an undamaged engine run matches it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine_stub.mem.kv_pool import HybridKVPool
+
+__all__ = ["VOCAB_SIZE", "ForwardBatch", "ModelConfig", "TinyHybridModel", "decode_text", "encode_text"]
+
+VOCAB_SIZE = 256
+
+
+def encode_text(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode_text(token_ids: list[int]) -> str:
+    return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layer_pattern: str
+    window: int
+    hidden_size: int = 32
+    num_heads: int = 2
+    seed: int = 0
+    dtype: torch.dtype = torch.float64
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("head_dim must be even for rotary positions")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class ForwardBatch:
+    """One step's tokens. Requests' new tokens are contiguous in the flat tensors.
+
+    Attributes:
+        req_pool_indices: request rows in `req_to_token`, one per request.
+        prefix_lens: tokens whose KV is already in the pools, per request.
+        seq_lens: tokens with KV after this step, per request.
+        input_ids, positions, out_cache_loc: int64 `[num_new_tokens]`; `out_cache_loc` holds the
+            FULL slots the new tokens' KV goes to.
+    """
+
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    seq_lens: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @property
+    def extend_lens(self) -> list[int]:
+        return [seq - prefix for prefix, seq in zip(self.prefix_lens, self.seq_lens, strict=True)]
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; rotate-half rotary embedding with base 10000.
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
+    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _attend(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_valid: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Masked attention of each query over its own key row.
+
+    Args:
+        q: `[T, heads, head_dim]`; q_pos: `[T]` positions of the queries.
+        keys, values: `[T, L, heads, head_dim]`, key l of query t sits at position l.
+        key_valid: `[T, L]` which keys exist at all.
+        window: None for full attention, else keys at positions <= q_pos - window are masked.
+    """
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    mask = key_valid & (key_pos[None, :] <= q_pos[:, None])
+    if window is not None:
+        mask &= key_pos[None, :] > (q_pos[:, None] - window)
+    scores = torch.einsum("thd,tlhd->thl", q, keys) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Zero masked values too: a NaN in a masked (e.g. evicted) row must not leak through 0 * NaN.
+    values = torch.where(mask[:, :, None, None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return torch.einsum("thl,tlhd->thd", probs, values)
+
+
+class TinyHybridModel:
+    """Deterministic tiny decoder. `forward` writes KV through the pool and returns last logits."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(config.seed)
+        hidden, dtype = config.hidden_size, config.dtype
+
+        def weight(rows: int, cols: int, scale: float) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=gen, dtype=torch.float64) * scale
+            return w.to(dtype=dtype, device=self.device)
+
+        self.embed = weight(VOCAB_SIZE, hidden, 1.0)
+        self.layers = []
+        for _ in config.layer_pattern:
+            self.layers.append(
+                {
+                    "wq": weight(hidden, hidden, hidden**-0.5),
+                    "wk": weight(hidden, hidden, hidden**-0.5),
+                    "wv": weight(hidden, hidden, hidden**-0.5),
+                    "wo": weight(hidden, hidden, hidden**-0.5),
+                    "w_up": weight(hidden, 2 * hidden, hidden**-0.5),
+                    "w_down": weight(2 * hidden, hidden, (2 * hidden) ** -0.5),
+                }
+            )
+        # A wide head keeps top-1 margins large, so greedy decoding is robust to rounding.
+        self.lm_head = weight(hidden, VOCAB_SIZE, 4.0 * hidden**-0.5)
+
+    def _window_of(self, layer: int) -> int | None:
+        return self.config.window if self.config.layer_pattern[layer] == "S" else None
+
+    def _qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        w = self.layers[layer]
+        heads, head_dim = self.config.num_heads, self.config.head_dim
+        h = _rms_norm(x)
+        q = (h @ w["wq"]).view(-1, heads, head_dim)
+        k = (h @ w["wk"]).view(-1, heads, head_dim)
+        v = (h @ w["wv"]).view(-1, heads, head_dim)
+        return _rotary(q, positions), _rotary(k, positions), v
+
+    def _finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        w = self.layers[layer]
+        x = x + attn.reshape(x.shape) @ w["wo"]
+        return x + torch.relu(_rms_norm(x) @ w["w_up"]) @ w["w_down"]
+
+    def forward(
+        self, batch: ForwardBatch, kv_pool: HybridKVPool, req_to_token: torch.Tensor
+    ) -> torch.Tensor:
+        """Run one step: write the new tokens' KV at `out_cache_loc`, attend through the pools.
+
+        Returns:
+            logits `[num_reqs, VOCAB_SIZE]` of each request's last new token.
+        """
+        device = self.device
+        extend_lens = batch.extend_lens
+        req_of_token = torch.repeat_interleave(
+            torch.arange(len(extend_lens), device=device),
+            torch.tensor(extend_lens, device=device),
+            output_size=sum(extend_lens),
+        )
+        max_len = max(batch.seq_lens)
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
+        key_slots = req_to_token[rows, :max_len].to(torch.int64)  # [B, L] full slots
+        key_valid = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+        token_key_slots = key_slots[req_of_token]  # [T, L]
+        token_key_valid = key_valid[req_of_token]
+        x = self.embed[batch.input_ids]
+        for layer in range(len(self.layers)):
+            q, k, v = self._qkv(layer, x, batch.positions)
+            kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+            keys, values = kv_pool.get_kv(layer, token_key_slots.reshape(-1))
+            shape = (*token_key_slots.shape, *keys.shape[1:])
+            attn = _attend(
+                q, batch.positions, keys.view(shape), values.view(shape), token_key_valid,
+                self._window_of(layer),
+            )
+            x = self._finish_layer(layer, x, attn)
+        last = torch.tensor(extend_lens, device=device).cumsum(0) - 1
+        return _rms_norm(x[last]) @ self.lm_head
+
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits after `token_ids`, recomputed from scratch (no cache): the oracle."""
+        device = self.device
+        n = len(token_ids)
+        positions = torch.arange(n, device=device)
+        x = self.embed[torch.tensor(token_ids, device=device)]
+        key_valid = torch.ones(n, n, dtype=torch.bool, device=device)
+        for layer in range(len(self.layers)):
+            q, k, v = self._qkv(layer, x, positions)
+            keys = k[None].expand(n, *k.shape)
+            values = v[None].expand(n, *v.shape)
+            attn = _attend(q, positions, keys, values, key_valid, self._window_of(layer))
+            x = self._finish_layer(layer, x, attn)
+        return _rms_norm(x[-1:]) @ self.lm_head
+
+    def reference_generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation of `prompt_ids` by recomputing every step: the output oracle."""
+        tokens = list(prompt_ids)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            next_id = int(self.reference_logits(tokens).argmax(-1)[0])
+            out.append(next_id)
+            tokens.append(next_id)
+        return out
+
+
+def sample(
+    logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Greedy where temperature is 0, else seeded multinomial; int64 `[num_reqs]` on the device."""
+    greedy = logits.argmax(-1)
+    if all(t == 0 for t in temperatures):
+        return greedy
+    out = greedy.clone()
+    for i, (temp, gen) in enumerate(zip(temperatures, generators, strict=True)):
+        if temp > 0:
+            probs = torch.softmax(logits[i].to(torch.float64) / temp, dim=-1).cpu()
+            out[i] = torch.multinomial(probs, 1, generator=gen).to(out.device)[0]
+    return out

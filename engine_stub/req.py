@@ -1,0 +1,63 @@
+"""Req: one generation request and its place in the KV memory path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Req", "RequestRejected"]
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this engine config (the reason says why)."""
+
+
+@dataclass(eq=False)
+class Req:
+    """A request. Lengths are in tokens; positions `[0, kv_len)` have KV in the pools.
+
+    `cache_protected_len` positions came from the radix cache and stay the tree's;
+    `swa_evicted_seqlen` is the window-eviction frontier: SWA peers below it are released.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    arrival: int = 0
+    generator: torch.Generator | None = None
+    on_finish: Callable[[Req], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    row: int = 0
+    kv_len: int = 0
+    cache_protected_len: int = 0
+    swa_evicted_seqlen: int = 0
+    lock: Any = None
+    admitted_step: int = -1
+    finished_step: int = -1
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.origin_input_ids:
+            raise ValueError("a request needs at least one input token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

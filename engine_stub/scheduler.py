@@ -1,0 +1,421 @@
+"""Scheduler: continuous batching over the hybrid SWA memory path.
+
+One `step()` is a prefill batch (when waiting requests can be admitted) or else a decode batch.
+Decode first slides every request's window (`free_swa` below the `swa_evicted_seqlen` frontier),
+then allocates one slot per request. A finished request goes into the radix cache (its
+window-evicted range as tombstones) or is freed. Every step's frees run inside one free group.
+The KV canary brackets each forward; invariant counters and canary masks are read once, at the
+end of the step, where the engine synchronizes anyway to learn the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine_stub.config import EngineConfig
+from engine_stub.events import EventLog
+from engine_stub.idle_check import IdleChecker
+from engine_stub.invariants import drain_firings
+from engine_stub.kv_canary import CanaryRequest, CanaryViolation, KVCanary
+from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
+from engine_stub.mem.kv_pool import HybridKVPool
+from engine_stub.mem.radix import SWARadixCache
+from engine_stub.model import ForwardBatch, ModelConfig, TinyHybridModel, sample
+from engine_stub.perturb.sites import Site
+from engine_stub.req import Req, RequestRejected
+
+__all__ = ["Scheduler", "CanaryRaised"]
+
+
+class CanaryRaised(RuntimeError):
+    """kv_canary=raise saw violations; the engine dies after logging them."""
+
+    def __init__(self, violations: list[CanaryViolation]) -> None:
+        super().__init__("\n".join(v.log_line() for v in violations[:8]))
+        self.violations = violations
+
+
+def _page_floor(n: int, page: int) -> int:
+    return n - n % page
+
+
+class Scheduler:
+    """Owns the pools, the model, the canary and the request queues; `step()` advances them."""
+
+    def __init__(self, config: EngineConfig, events: EventLog, perturber: Any = None) -> None:
+        self.config = config
+        self.events = events
+        self.device = torch.device(config.resolved_device())
+        self.page_size = config.page_size
+        self.window = config.window
+        self.allocator = SWATokenToKVPoolAllocator(
+            config.full_pool_tokens, config.swa_pool_tokens, config.page_size, self.device
+        )
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
+        self.kv_pool = HybridKVPool(
+            layer_pattern=config.layer_pattern,
+            full_size=config.full_pool_tokens,
+            swa_size=config.swa_pool_tokens,
+            page_size=config.page_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            full_to_swa_index_mapping=self.allocator.full_to_swa_index_mapping,
+            device=self.device,
+        )
+        self.model = TinyHybridModel(
+            ModelConfig(config.layer_pattern, config.window, config.hidden_size, config.num_heads, config.seed),
+            self.device,
+        )
+        self.tree_cache = (
+            SWARadixCache(self.allocator, config.page_size, config.window) if config.radix_cache else None
+        )
+        self.canary = KVCanary(config.kv_canary, self.kv_pool, config.window, config.kv_canary_sweep_interval)
+        self.idle = IdleChecker(self, strict=config.strict_mem_check_during_idle)
+        self.perturber = perturber
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.step_no = 0
+        self.order_by_rid = config.gate_requests > 0
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                      "cached_tokens": 0, "swa_evicted_tokens": 0, "finished_requests": 0}
+        self._swa_ever_used = torch.zeros(self.kv_pool.swa_rows, dtype=torch.bool, device=self.device)
+        self._swa_reused = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._divergent_allocs = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise RequestRejected when a request could never be served by this config."""
+        cfg = self.config
+        if prompt_len + max_new_tokens > cfg.max_context_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_context_len={cfg.max_context_len}"
+            )
+        if prompt_len + self._swa_headroom() > cfg.swa_pool_tokens:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) cannot be prefilled: swa_pool_tokens={cfg.swa_pool_tokens} "
+                f"minus one window of headroom ({self._swa_headroom()})"
+            )
+
+    def add_request(self, req: Req) -> None:
+        self.check_fits(req.prompt_len, req.max_new_tokens)
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Run one prefill or decode batch, then read back firings and violations."""
+        self.step_no += 1
+        self.events.step = self.step_no
+        self._hook(Site.BEFORE_STEP)
+        self.allocator.free_group_begin()
+        try:
+            batch_reqs = self._schedule_prefill()
+            kind = "prefill"
+            if not batch_reqs:
+                kind = "decode"
+                batch_reqs = self._schedule_decode()
+        finally:
+            self.allocator.free_group_end()
+        if batch_reqs:
+            self._run_batch(kind, batch_reqs)
+        self._end_of_step(kind if batch_reqs else "stall")
+
+    def _run_batch(self, kind: str, reqs: list[Req]) -> None:
+        batch, canary_reqs = self._forward_batch(kind, reqs)
+        token_table = self.req_to_token_pool.req_to_token
+        self.canary.verify("HEAD", canary_reqs, token_table, self.step_no)
+        logits = self.model.forward(batch, self.kv_pool, token_table)
+        for req, seq_len in zip(reqs, batch.seq_lens, strict=True):
+            req.kv_len = seq_len
+        self._hook(Site.AFTER_FORWARD, reqs=reqs, batch=batch)
+        self.canary.write(canary_reqs, token_table, self.step_no)
+        self.canary.verify("TAIL", canary_reqs, token_table, self.step_no)
+        next_ids = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs]).tolist()
+        for req, token in zip(reqs, next_ids, strict=True):
+            self.canary.note_sampled(req.rid, token)
+        overridden = self._hook(Site.ON_SAMPLING, reqs=reqs, next_ids=next_ids)
+        next_ids = overridden.get("next_ids", next_ids)
+        self.stats[f"{kind}_steps"] += 1
+        self.stats["generated_tokens"] += len(reqs)
+        finished = []
+        for req, token in zip(reqs, next_ids, strict=True):
+            req.output_ids.append(int(token))
+            if req.remaining_new_tokens == 0:
+                req.finish_reason = "length"
+                finished.append(req)
+        if kind == "prefill":
+            self.running.extend(reqs)
+        if finished:
+            self.allocator.free_group_begin()
+            try:
+                for req in finished:
+                    self._finish(req)
+            finally:
+                self.allocator.free_group_end()
+
+    def _forward_batch(self, kind: str, reqs: list[Req]) -> tuple[ForwardBatch, list[CanaryRequest]]:
+        if kind == "prefill":
+            prefix_lens = [r.cache_protected_len for r in reqs]
+            seq_lens = [r.prompt_len for r in reqs]
+            new_ids = [r.origin_input_ids[r.cache_protected_len:] for r in reqs]
+        else:
+            prefix_lens = [r.kv_len for r in reqs]
+            seq_lens = [r.kv_len + 1 for r in reqs]
+            new_ids = [[r.output_ids[-1]] for r in reqs]
+        rows = [r.row for r in reqs]
+        positions = [p for lo, hi in zip(prefix_lens, seq_lens, strict=True) for p in range(lo, hi)]
+        flat_ids = [t for ids in new_ids for t in ids]
+        table = self.req_to_token_pool.req_to_token
+        row_idx = torch.tensor([r for r, lo, hi in zip(rows, prefix_lens, seq_lens, strict=True) for _ in range(lo, hi)],
+                               dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        out_cache_loc = table[row_idx, pos_t].to(torch.int64)
+        batch = ForwardBatch(rows, prefix_lens, seq_lens,
+                             torch.tensor(flat_ids, dtype=torch.int64, device=self.device), pos_t, out_cache_loc)
+        canary_reqs = [CanaryRequest(r.rid, r.row, lo, hi, ids)
+                       for r, lo, hi, ids in zip(reqs, prefix_lens, seq_lens, new_ids, strict=True)]
+        return batch, canary_reqs
+
+    # ---- prefill admission --------------------------------------------------------------------
+
+    def _swa_headroom(self) -> int:
+        """SWA slots one running request may hold between two window evictions."""
+        return self.window + 2 * self.page_size
+
+    def _outstanding(self) -> tuple[int, int]:
+        """Full and SWA slots the running requests may still need (their reservations)."""
+        page = self.page_size
+        full = sum(-(-r.remaining_new_tokens // page) * page + page for r in self.running)
+        swa = len(self.running) * self._swa_headroom()
+        return full, swa
+
+    def _schedule_prefill(self) -> list[Req]:
+        if not self.waiting:
+            return []
+        if self.order_by_rid:
+            self.waiting.sort(key=lambda r: r.rid)
+        admitted: list[Req] = []
+        budget = self.config.max_prefill_tokens
+        for req in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.config.max_running_requests:
+                break
+            if self.req_to_token_pool.available_size() == 0:
+                break
+            if not self._admit(req, budget, admitted):
+                break
+            budget -= req.prompt_len - req.cache_protected_len
+            self.waiting.remove(req)
+            admitted.append(req)
+        return admitted
+
+    def _admit(self, req: Req, budget: int, admitted: list[Req]) -> bool:
+        """Match the prefix, reserve and allocate both pools; False (nothing held) to wait."""
+        page = self.page_size
+        match = None
+        prefix_len = 0
+        if self.tree_cache is not None:
+            # Leave at least one token to extend, so the prefill produces logits.
+            match = self.tree_cache.match_prefix(req.origin_input_ids[:-1])
+            prefix_len = match.matched_len
+        extend_len = req.prompt_len - prefix_len
+        if admitted and extend_len > budget:
+            return False
+        lock = self.tree_cache.inc_lock_ref(match.last_node) if match is not None else None
+        extend_tokens = -(-req.prompt_len // page) * page - prefix_len
+        full_outstanding, swa_outstanding = self._outstanding()
+        for r in admitted:
+            full_outstanding += -(-r.remaining_new_tokens // page) * page + page
+            swa_outstanding += self._swa_headroom()
+        need_full = extend_tokens + -(-req.max_new_tokens // page) * page + page + full_outstanding
+        need_swa = extend_tokens + self._swa_headroom() + swa_outstanding
+        evictable_full = self.tree_cache.full_evictable_size() if self.tree_cache else 0
+        evictable_swa = self.tree_cache.swa_evictable_size() if self.tree_cache else 0
+        full_avail = self.allocator.full_available_size()
+        swa_avail = self.allocator.swa_available_size()
+        if need_full > full_avail + evictable_full or need_swa > swa_avail + evictable_swa:
+            if lock is not None:
+                self.tree_cache.dec_lock_ref(lock)
+            return False
+        self._evict_tree(extend_tokens - full_avail, extend_tokens - swa_avail)
+        slots = self._alloc_extend(req, prefix_len, match)
+        if slots is None:
+            if lock is not None:
+                self.tree_cache.dec_lock_ref(lock)
+            return False
+        (req.row,) = self.req_to_token_pool.alloc(1)
+        if prefix_len:
+            self.req_to_token_pool.write(req.row, 0, match.slots)
+        self.req_to_token_pool.write(req.row, prefix_len, slots)
+        req.lock = lock
+        req.cache_protected_len = prefix_len
+        req.swa_evicted_seqlen = prefix_len
+        req.admitted_step = self.step_no
+        self.stats["prompt_tokens"] += req.prompt_len
+        self.stats["cached_tokens"] += prefix_len
+        self._note_swa_use(slots)
+        self.events.write("request_admitted", rid=req.rid, prompt_len=req.prompt_len,
+                          cached_len=prefix_len, row=req.row)
+        if prefix_len:
+            self._hook(Site.CACHE_HIT, req=req, cached_len=prefix_len)
+        return True
+
+    def _alloc_extend(self, req: Req, prefix_len: int, match) -> torch.Tensor | None:
+        if self.page_size == 1:
+            return self.allocator.alloc(req.prompt_len - prefix_len)
+        last_loc = match.slots[-1:] if prefix_len else torch.tensor([-1], device=self.device)
+        return self.allocator.alloc_extend([prefix_len], [req.prompt_len], last_loc.to(torch.int64),
+                                           req.prompt_len - prefix_len)
+
+    def _evict_tree(self, full_deficit: int, swa_deficit: int) -> None:
+        if self.tree_cache is not None and (full_deficit > 0 or swa_deficit > 0):
+            self.tree_cache.evict(max(full_deficit, 0), max(swa_deficit, 0))
+
+    def _note_swa_use(self, full_slots: torch.Tensor) -> None:
+        # Proof of exercise: SWA slots handed out a second time (sync-free counter).
+        swa = self.allocator.translate_loc_from_full_to_swa(full_slots)
+        self._swa_reused.add_(self._swa_ever_used[swa].sum())
+        self._divergent_allocs.add_((swa != full_slots).sum())
+        self._swa_ever_used.index_fill_(0, swa, True)
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    def _schedule_decode(self) -> list[Req]:
+        reqs = [r for r in self.running if not r.finished]
+        if not reqs:
+            return []
+        for req in reqs:
+            self._evict_window(req)
+        slots = self._alloc_decode(reqs)
+        if slots is None:
+            self._evict_tree(len(reqs) * self.page_size, len(reqs) * self.page_size)
+            slots = self._alloc_decode(reqs)
+        if slots is None:
+            self.events.write("decode_stall", running=len(reqs),
+                              full_available=self.allocator.full_available_size(),
+                              swa_available=self.allocator.swa_available_size())
+            return []
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=self.device)
+        table[rows, cols] = slots.to(torch.int32)
+        self._note_swa_use(slots)
+        return reqs
+
+    def _alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        if self.page_size == 1:
+            return self.allocator.alloc(len(reqs))
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        cols = torch.tensor([r.kv_len - 1 for r in reqs], dtype=torch.int64, device=self.device)
+        return self.allocator.alloc_decode([r.kv_len + 1 for r in reqs], table[rows, cols].to(torch.int64))
+
+    def _evict_window(self, req: Req) -> None:
+        """Release SWA peers that slid out of the window: positions below kv_len - window."""
+        frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        new_frontier = _page_floor(max(frontier, req.kv_len - self.window), self.page_size)
+        if new_frontier <= frontier:
+            req.swa_evicted_seqlen = frontier
+            return
+        slots = self.req_to_token_pool.req_to_token[req.row, frontier:new_frontier].to(torch.int64)
+        overridden = self._hook(Site.ON_WINDOW_EVICTION, req=req, slots=slots,
+                                frontier=frontier, new_frontier=new_frontier)
+        slots = overridden.get("slots", slots)
+        new_frontier = overridden.get("new_frontier", new_frontier)
+        self.allocator.free_swa(slots)
+        self.stats["swa_evicted_tokens"] += new_frontier - frontier
+        req.swa_evicted_seqlen = new_frontier
+
+    # ---- finish ------------------------------------------------------------------------------
+
+    def _finish(self, req: Req) -> None:
+        req.finished_step = self.step_no
+        self.running.remove(req)
+        self.canary.forget(req.rid)
+        overridden = self._hook(Site.ON_REQUEST_FINISH, req=req)
+        if not overridden.get("leak", False):
+            self._release_kv(req)
+            self.req_to_token_pool.free(req.row)
+        self.stats["finished_requests"] += 1
+        self.events.write("request_finished", rid=req.rid, output_len=len(req.output_ids),
+                          admitted_step=req.admitted_step)
+        if req.on_finish is not None:
+            req.on_finish(req)
+
+    def _release_kv(self, req: Req) -> None:
+        page = self.page_size
+        kv_len = req.kv_len
+        slots = self.req_to_token_pool.req_to_token[req.row, :kv_len].to(torch.int64)
+        frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        if self.tree_cache is None:
+            self._free_full(slots[:frontier])
+            self.allocator.free(slots[frontier:])
+            return
+        aligned = _page_floor(kv_len, page)
+        self.allocator.free(slots[aligned:])
+        self.tree_cache.insert(
+            req.all_ids[:aligned],
+            slots[:aligned],
+            prev_prefix_len=req.cache_protected_len,
+            swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
+        )
+        self.tree_cache.dec_lock_ref(req.lock)
+        req.lock = None
+
+    def _free_full(self, slots: torch.Tensor) -> None:
+        overridden = self._hook(Site.ON_FREE_FULL, slots=slots)
+        self.allocator.free_full(overridden.get("slots", slots))
+
+    # ---- end of step ---------------------------------------------------------------------------
+
+    def _end_of_step(self, kind: str) -> None:
+        cfg = self.config
+        if cfg.kv_canary != "off" and self.tree_cache is not None and cfg.kv_canary_sweep_interval:
+            if self.step_no % cfg.kv_canary_sweep_interval == 0:
+                self.canary.sweep(self.tree_cache.cached_paths(), self.step_no)
+        firings = drain_firings()  # the sink has already logged them
+        violations = self.canary.collect(self.step_no)
+        for violation in violations:
+            self.events.write("canary_violation", durable=True, **violation.to_dict(),
+                              line=violation.log_line())
+        self.events.write("step", batch=kind, running=len(self.running), waiting=len(self.waiting),
+                          full_available=self.allocator.full_available_size(),
+                          swa_available=self.allocator.swa_available_size(),
+                          firings=len(firings), violations=len(violations))
+        if violations and self.canary.mode == "raise":
+            raise CanaryRaised(violations)
+
+    def idle_tick(self) -> dict:
+        """Check the conservation ledgers and the radix cache; returns the results."""
+        return self.idle.check()
+
+    # ---- perturbation hooks --------------------------------------------------------------------
+
+    def _hook(self, site: Site, **ctx: Any) -> dict:
+        if self.perturber is None:
+            return {}
+        return self.perturber.at(site, self, **ctx) or {}
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def exercise_stats(self) -> dict[str, int]:
+        """Proof that the SWA path really ran: divergence, window eviction, slot reuse."""
+        mapping = self.allocator.full_to_swa_index_mapping[: self.config.full_pool_tokens + self.page_size]
+        ids = torch.arange(mapping.numel(), device=mapping.device)
+        nonidentity = int(((mapping > 0) & (mapping != ids)).sum())
+        return {
+            "mapping_nonidentity": nonidentity,
+            "swa_evicted_tokens": self.stats["swa_evicted_tokens"],
+            "swa_slots_reused": int(self._swa_reused),
+            "divergent_allocs": int(self._divergent_allocs),
+            "verify_full": self.canary.stats["verify_full"],
+            "verify_swa": self.canary.stats["verify_swa"],
+        }
+

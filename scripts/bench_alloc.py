@@ -1,0 +1,191 @@
+"""Micro-benchmark of the SWA allocator's hot path.
+
+    python scripts/bench_alloc.py [--iters N] [--batch B] [--device cpu|cuda]
+
+(a) `free_swa` on page_size 1, at levels OFF and STRICT, against the bare work it has to do: a
+    gather of the peers from a mapping, an `index_fill_` of the mapping to 0, an `index_fill_` of
+    an allocated bitmap and an append to a free list, on tensors of the same sizes.
+(b) alloc+free throughput through the SWA allocator on page sizes 1 and 16.
+
+Every variant runs in the same loop, in a rotating order, so that drift (frequency scaling, a
+noisy neighbour) lands on all of them alike; each figure is a median. The slots a repetition
+frees are allocated before its clock starts. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine_stub.invariants import InvariantCheckLevel, override_level
+from engine_stub.mem import SWATokenToKVPoolAllocator
+
+LEVELS = (InvariantCheckLevel.OFF, InvariantCheckLevel.STRICT)
+THROUGHPUT_PAGE_SIZES = (1, 16)
+PAIRS_PER_SAMPLE = 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _BareFreeSwa:
+    """The minimal ops `free_swa` must do on page_size 1, with no invariant and no bookkeeping."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.batch = batch
+        size, size_swa = 4 * batch, 2 * batch
+        self.mapping = torch.zeros(size + 2, dtype=torch.int64, device=device)
+        self.allocated = torch.zeros(size_swa + 1, dtype=torch.bool, device=device)
+        self.full_ids = torch.randperm(size, device=device)[:batch] + 1
+        self.swa_ids = torch.randperm(size_swa, device=device)[:batch] + 1
+        self.free_list: list[torch.Tensor] = []
+
+    def setup(self) -> torch.Tensor:
+        self.mapping.index_copy_(0, self.full_ids, self.swa_ids)
+        self.allocated.index_fill_(0, self.swa_ids, True)
+        self.free_list.clear()
+        return self.full_ids
+
+    def run(self, idx: torch.Tensor) -> None:
+        peers = self.mapping[idx]
+        self.mapping.index_fill_(0, idx, 0)
+        self.allocated.index_fill_(0, peers, False)
+        self.free_list.append(peers)
+
+
+class _FreeSwa:
+    """`SWATokenToKVPoolAllocator.free_swa` on page_size 1; the full side is freed off the clock."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.allocator = SWATokenToKVPoolAllocator(4 * batch, 2 * batch, 1, device)
+        self.batch = batch
+
+    def setup(self) -> torch.Tensor:
+        idx = self.allocator.alloc(self.batch)
+        assert idx is not None
+        return idx
+
+    def run(self, idx: torch.Tensor) -> None:
+        self.allocator.free_swa(idx)
+
+    def teardown(self, idx: torch.Tensor) -> None:
+        self.allocator.free_full(idx)
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def bench_free_swa(iters: int, batch: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per call of the bare ops and of free_swa at each level."""
+    bare = _BareFreeSwa(batch, device)
+    cases: dict[str, _FreeSwa] = {level.name: _FreeSwa(batch, device) for level in LEVELS}
+    samples: dict[str, list[float]] = {"bare": [], **{name: [] for name in cases}}
+    names = list(samples)
+    for rep in range(iters + 1):  # repetition 0 warms up and is discarded
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name == "bare":
+                idx = bare.setup()
+                seconds = _time_once(lambda idx=idx: bare.run(idx), device)
+            else:
+                case = cases[name]
+                with override_level(name):
+                    idx = case.setup()
+                    seconds = _time_once(lambda case=case, idx=idx: case.run(idx), device)
+                    case.teardown(idx)
+            if rep:
+                samples[name].append(seconds)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def bench_throughput(iters: int, batch: int, device: torch.device) -> dict[int, float]:
+    """Median alloc+free pairs per second through the SWA allocator, per page size (level OFF)."""
+    allocators = {
+        page: SWATokenToKVPoolAllocator(
+            8 * _round_up(batch, page), 4 * _round_up(batch, page), page, device
+        )
+        for page in THROUGHPUT_PAGE_SIZES
+    }
+    samples: dict[int, list[float]] = {page: [] for page in allocators}
+    pages = list(allocators)
+    rounds = max(iters // 10, 5)
+    for rep in range(rounds + 1):
+        shift = rep % len(pages)
+        for page in pages[shift:] + pages[:shift]:
+            allocator, need = allocators[page], _round_up(batch, page)
+
+            def pairs(allocator: SWATokenToKVPoolAllocator = allocator, need: int = need) -> None:
+                for _ in range(PAIRS_PER_SAMPLE):
+                    idx = allocator.alloc(need)
+                    assert idx is not None
+                    allocator.free(idx)
+
+            with override_level(InvariantCheckLevel.OFF):
+                seconds = _time_once(pairs, device)
+            if rep:
+                samples[page].append(PAIRS_PER_SAMPLE / seconds)
+    return {page: statistics.median(values) for page, values in samples.items()}
+
+
+def _round_up(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=400, help="timed repetitions per variant")
+    parser.add_argument("--batch", type=int, default=64, help="slots freed per free_swa call")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.batch < 1:
+        parser.error("--iters and --batch must be >= 1")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+
+    free_swa = bench_free_swa(args.iters, args.batch, device)
+    throughput = bench_throughput(args.iters, args.batch, device)
+    ratios = {level.name: free_swa[level.name] / free_swa["bare"] for level in LEVELS}
+
+    head = f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}"
+    print(f"{head}, median us/call")
+    print(f"{'':<16}" + "".join(f"{level.name:>10}" for level in LEVELS))
+    print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare'] * 1e6:>10.1f}" for _ in LEVELS))
+    print(f"{'free_swa':<16}" + "".join(f"{free_swa[level.name] * 1e6:>10.1f}" for level in LEVELS))
+    print(f"{'free_swa/bare':<16}" + "".join(f"{ratios[level.name]:>9.2f}x" for level in LEVELS))
+    print()
+    print(f"alloc+free through the SWA allocator, batch {args.batch} (whole pages), level OFF")
+    print(f"{'page_size':<16}{'pairs/s':>10}{'tokens/s':>12}")
+    for page, rate in throughput.items():
+        print(f"{page:<16}{rate:>10.0f}{rate * _round_up(args.batch, page):>12.0f}")
+    print(
+        json.dumps(
+            {
+                "bench": "alloc",
+                "device": device.type,
+                "torch": torch.__version__,
+                "batch": args.batch,
+                "iters": args.iters,
+                "free_swa_us": {"bare": free_swa["bare"] * 1e6}
+                | {level.name.lower(): free_swa[level.name] * 1e6 for level in LEVELS},
+                "free_swa_over_bare": {level.name.lower(): ratios[level.name] for level in LEVELS},
+                "alloc_free_pairs_per_s": {str(page): rate for page, rate in throughput.items()},
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

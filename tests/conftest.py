@@ -1,0 +1,25 @@
+"""Fixtures shared by the engine_stub unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine_stub import invariants
+
+
+@pytest.fixture(autouse=True)
+def _fresh_invariant_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Start every test at level OFF with zeroed counters, no firing sink, and a seeded torch."""
+    monkeypatch.delenv(invariants.LEVEL_ENV, raising=False)
+    invariants.set_default_level(None)
+    invariants.set_firing_sink(None)
+    invariants.reset_counters()
+    torch.manual_seed(0)
+    yield
+    # A test that pinned a level or a sink must not hand it to the next one.
+    invariants.set_default_level(None)
+    invariants.set_firing_sink(None)
+    invariants.reset_counters()

@@ -1,0 +1,378 @@
+"""Sub-allocators (token and paged) and ReqToTokenPool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_stub.invariants import (
+    InvariantCheckLevel,
+    InvariantViolation,
+    hit_counts,
+    override_level,
+)
+from engine_stub.mem import (
+    BaseTokenToKVPoolAllocator,
+    PagedTokenToKVPoolAllocator,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    create_sub_allocator,
+)
+from engine_stub.mem.allocator import num_new_pages
+
+PAGE_SIZES = [1, 4]
+POOL_PAGES = 8
+
+
+def _make_allocator(page_size: int, pages: int = POOL_PAGES) -> BaseTokenToKVPoolAllocator:
+    return create_sub_allocator(pages * page_size, page_size)
+
+
+def _assert_unique(ids: torch.Tensor) -> None:
+    assert ids.unique().numel() == ids.numel(), f"a slot was handed out twice: {ids.tolist()}"
+
+
+def _drain_pool(allocator: BaseTokenToKVPoolAllocator) -> torch.Tensor:
+    """Every slot the allocator can still hand out, one page at a time (so merges happen)."""
+    taken = []
+    while (ids := allocator.alloc(allocator.page_size)) is not None:
+        taken.append(ids)
+    return torch.cat(taken) if taken else torch.zeros(0, dtype=torch.int64)
+
+
+class TestAlloc:
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_create_sub_allocator_picks_kind_by_page_size(self, page_size: int) -> None:
+        expected = TokenToKVPoolAllocator if page_size == 1 else PagedTokenToKVPoolAllocator
+        assert type(_make_allocator(page_size)) is expected
+
+    @pytest.mark.parametrize(("size", "page_size"), [(6, 4), (0, 1), (2, 4)])
+    def test_construct_size_not_multiple_of_page_raises_value_error(
+        self, size: int, page_size: int
+    ) -> None:
+        with pytest.raises(ValueError, match="positive multiple of page_size"):
+            PagedTokenToKVPoolAllocator(size, page_size)
+
+    def test_construct_page_size_zero_raises_value_error(self) -> None:
+        with pytest.raises(ValueError, match="page_size must be >= 1"):
+            PagedTokenToKVPoolAllocator(8, 0)
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_alloc_whole_pool_returns_unique_ids_outside_padding_page(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        ids = allocator.alloc(allocator.size)
+        assert ids is not None and ids.dtype == torch.int64
+        assert ids.numel() == allocator.size
+        _assert_unique(ids)
+        assert int(ids.min()) >= page_size  # never 0, never inside page 0
+        assert int(ids.max()) < (POOL_PAGES + 1) * page_size
+        assert allocator.available_size() == 0
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_alloc_more_than_available_returns_none_and_takes_nothing(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 * page_size)
+        assert allocator.alloc(allocator.size) is None
+        assert allocator.available_size() == allocator.size - 2 * page_size
+        rest = allocator.alloc(allocator.size - 2 * page_size)
+        assert rest is not None
+        _assert_unique(torch.cat([held, rest]))
+
+    def test_paged_alloc_partial_page_raises_value_error(self) -> None:
+        with pytest.raises(ValueError, match="multiple of 4"):
+            _make_allocator(4).alloc(3)
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_free_then_alloc_reuses_freed_ids(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        ids = allocator.alloc(allocator.size)
+        allocator.free(ids[:page_size])
+        assert allocator.available_size() == page_size
+        again = allocator.alloc(page_size)
+        assert again is not None
+        assert sorted(again.tolist()) == sorted(ids[:page_size].tolist())
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_free_empty_index_is_a_no_op(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        allocator.free(torch.zeros(0, dtype=torch.int64))
+        assert allocator.available_size() == allocator.size
+
+
+def _bad_ids(kind: str, page_size: int, held: torch.Tensor) -> torch.Tensor:
+    """Ids of a bad free of `kind`, given slots `held` that were allocated then freed once."""
+    if kind == "double_free":
+        return held
+    if kind == "out_of_pool":
+        end = (POOL_PAGES + 1) * page_size
+        return torch.tensor([end, end + page_size, -page_size], dtype=torch.int64)
+    return torch.tensor([0] if page_size == 1 else [0, page_size - 1], dtype=torch.int64)
+
+
+# (drop kind, the invariant that signals it, drops counted per bad free for page sizes 1 and 4)
+BAD_FREES = [
+    ("double_free", "alloc.double_free", {1: 2, 4: 1}),
+    ("out_of_pool", "alloc.out_of_pool", {1: 3, 4: 3}),
+    ("reserved", "alloc.reserved_slot", {1: 1, 4: 1}),
+]
+
+
+class TestBadFrees:
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    @pytest.mark.parametrize(("kind", "inv_name", "drops"), BAD_FREES)
+    def test_bad_free_is_dropped_counted_and_never_handed_out_twice(
+        self, page_size: int, kind: str, inv_name: str, drops: dict[int, int]
+    ) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 if page_size == 1 else page_size)
+        allocator.free(held)
+        allocator.free(_bad_ids(kind, page_size, held))
+        assert allocator.drop_counts() == {
+            k: drops[page_size] if k == kind else 0 for k in allocator.drop_counts()
+        }
+        # Handing out the whole pool must not hand a slot out twice, and must not hand out more
+        # than the pool holds.
+        everything = _drain_pool(allocator)
+        assert everything.numel() == allocator.size
+        _assert_unique(everything)
+        assert int(everything.min()) >= page_size
+
+    def test_duplicate_ids_in_one_free_are_recycled_once(self) -> None:
+        allocator = _make_allocator(1)
+        held = allocator.alloc(3)
+        allocator.free(torch.cat([held, held[:1]]))
+        assert allocator.drop_counts()["double_free"] == 1
+        everything = _drain_pool(allocator)
+        assert everything.numel() == allocator.size
+        _assert_unique(everything)
+
+    def test_paged_free_of_two_slots_in_one_page_frees_the_page_once(self) -> None:
+        allocator = _make_allocator(4)
+        held = allocator.alloc(8)
+        allocator.free(held[[0, 1, 5]])
+        assert allocator.drop_counts()["double_free"] == 0
+        assert allocator.available_size() == allocator.size
+        _assert_unique(_drain_pool(allocator))
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    @pytest.mark.parametrize(("kind", "inv_name", "drops"), BAD_FREES)
+    def test_bad_free_at_warn_counts_invariant(
+        self, page_size: int, kind: str, inv_name: str, drops: dict[int, int]
+    ) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 if page_size == 1 else page_size)
+        allocator.free(held)
+        with override_level(InvariantCheckLevel.WARN):
+            allocator.free(_bad_ids(kind, page_size, held))
+        counts = hit_counts()
+        assert counts[inv_name] == drops[page_size]
+        others = {name for _, name, _ in BAD_FREES} - {inv_name}
+        assert all(counts[name] == 0 for name in others)
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    @pytest.mark.parametrize(("kind", "inv_name", "drops"), BAD_FREES)
+    def test_bad_free_at_strict_raises_invariant_violation(
+        self, page_size: int, kind: str, inv_name: str, drops: dict[int, int]
+    ) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 if page_size == 1 else page_size)
+        allocator.free(held)
+        with (
+            override_level(InvariantCheckLevel.STRICT),
+            pytest.raises(InvariantViolation, match=rf"\[{inv_name}\]"),
+        ):
+            allocator.free(_bad_ids(kind, page_size, held))
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_good_free_at_strict_fires_nothing(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        with override_level(InvariantCheckLevel.STRICT):
+            allocator.free(allocator.alloc(allocator.size))
+        assert all(hit_counts()[name] == 0 for _, name, _ in BAD_FREES)
+        assert allocator.drop_counts() == {"double_free": 0, "out_of_pool": 0, "reserved": 0}
+
+
+def _page_slots(page: int, page_size: int = 4) -> list[int]:
+    return list(range(page * page_size, (page + 1) * page_size))
+
+
+# (prefix_lens, seq_lens, slots alloc_extend returns) on a fresh 4-slot-page pool whose free
+# list starts at page 1. Prefixes are allocated first, request by request, from page 1 on.
+EXTEND_CASES = [
+    pytest.param([0], [3], [4, 5, 6], id="partial-first-page"),
+    pytest.param([0], [8], _page_slots(1) + _page_slots(2), id="whole-pages"),
+    pytest.param([0], [10], _page_slots(1) + _page_slots(2) + [12, 13], id="whole-then-tail"),
+    pytest.param([3], [6], [7, 8, 9], id="continue-then-tail"),
+    pytest.param([4], [6], [8, 9], id="prefix-ends-on-boundary"),
+    pytest.param([5], [7], [9, 10], id="continuation-only"),
+    pytest.param([2], [13], [6, 7, *_page_slots(2), *_page_slots(3), 16], id="all-three-segments"),
+    pytest.param([3, 0], [6, 5], [7, 8, 9, *_page_slots(3), 16], id="two-requests"),
+    pytest.param([0, 2], [4, 4], [*_page_slots(2), 6, 7], id="second-request-continues"),
+]
+
+
+def _alloc_prefixes(allocator: PagedTokenToKVPoolAllocator, prefix_lens: list[int]) -> torch.Tensor:
+    """The slot of each request's last prefix position (-1 for no prefix)."""
+    last_locs = []
+    for prefix in prefix_lens:
+        if prefix == 0:
+            last_locs.append(-1)
+            continue
+        slots = allocator.alloc_extend([0], [prefix], torch.tensor([-1]), prefix)
+        assert slots is not None
+        last_locs.append(int(slots[-1]))
+    return torch.tensor(last_locs, dtype=torch.int64)
+
+
+class TestPagedExtendAndDecode:
+    @pytest.mark.parametrize(("prefix_lens", "seq_lens", "expected"), EXTEND_CASES)
+    def test_alloc_extend_fills_continuation_whole_and_tail_pages(
+        self, prefix_lens: list[int], seq_lens: list[int], expected: list[int]
+    ) -> None:
+        allocator = PagedTokenToKVPoolAllocator(64, 4)
+        last_loc = _alloc_prefixes(allocator, prefix_lens)
+        before = allocator.available_size()
+        extend = sum(seq_lens) - sum(prefix_lens)
+        slots = allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend)
+        assert slots is not None and slots.tolist() == expected
+        assert before - allocator.available_size() == 4 * num_new_pages(prefix_lens, seq_lens, 4)
+
+    @pytest.mark.parametrize(
+        ("prefix_lens", "seq_lens", "pages"),
+        [
+            ([0], [1], 1),
+            ([0], [4], 1),
+            ([0], [5], 2),
+            ([3], [4], 0),
+            ([3], [5], 1),
+            ([4, 0], [9, 0], 2),
+        ],
+    )
+    def test_num_new_pages_counts_pages_beyond_prefix(
+        self, prefix_lens: list[int], seq_lens: list[int], pages: int
+    ) -> None:
+        assert num_new_pages(prefix_lens, seq_lens, 4) == pages
+
+    def test_alloc_extend_short_pool_returns_none_and_takes_nothing(self) -> None:
+        allocator = PagedTokenToKVPoolAllocator(16, 4)
+        last_loc = _alloc_prefixes(allocator, [2])
+        assert allocator.alloc_extend([2], [19], last_loc, 17) is None
+        assert allocator.available_size() == 12
+
+    # (tokens already held, slot the next decode token gets, pages that takes)
+    @pytest.mark.parametrize(
+        ("held", "slot", "pages"), [(0, 4, 1), (1, 5, 0), (3, 7, 0), (4, 8, 1), (5, 9, 0)]
+    )
+    def test_alloc_decode_takes_new_page_only_at_boundary(
+        self, held: int, slot: int, pages: int
+    ) -> None:
+        allocator = PagedTokenToKVPoolAllocator(64, 4)
+        last_loc = _alloc_prefixes(allocator, [held])
+        before = allocator.available_size()
+        out = allocator.alloc_decode([held + 1], last_loc)
+        assert out is not None and out.tolist() == [slot]
+        assert before - allocator.available_size() == 4 * pages
+
+    def test_alloc_decode_batch_mixes_continuation_and_new_pages(self) -> None:
+        allocator = PagedTokenToKVPoolAllocator(64, 4)
+        last_loc = _alloc_prefixes(allocator, [4, 2, 0])  # pages 1 and 2
+        out = allocator.alloc_decode([5, 3, 1], last_loc)
+        assert out is not None and out.tolist() == [12, 10, 16]
+
+    def test_alloc_decode_short_pool_returns_none(self) -> None:
+        allocator = PagedTokenToKVPoolAllocator(4, 4)
+        last_loc = _alloc_prefixes(allocator, [4])
+        assert allocator.alloc_decode([5], last_loc) is None
+
+
+class TestBackupRestore:
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_restore_state_rewinds_allocs_and_frees(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 * page_size)
+        allocator.free(held[:page_size])  # a staged free is part of the snapshot
+        state = allocator.backup_state()
+        first = allocator.alloc(3 * page_size)
+        allocator.free(held[page_size:])
+        allocator.restore_state(state)
+        assert allocator.available_size() == allocator.size - page_size
+        assert allocator.alloc(3 * page_size).tolist() == first.tolist()
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_restore_state_rewinds_allocated_bitmap(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        state = allocator.backup_state()
+        taken = allocator.alloc(page_size)
+        allocator.restore_state(state)
+        # After the rewind `taken` was never handed out, so freeing it is a double free.
+        allocator.free(taken)
+        assert allocator.drop_counts()["double_free"] == 1
+        everything = _drain_pool(allocator)
+        assert everything.numel() == allocator.size
+        _assert_unique(everything)
+
+    def test_snapshot_is_not_aliased_by_later_frees(self) -> None:
+        allocator = _make_allocator(1)
+        held = allocator.alloc(4)
+        state = allocator.backup_state()
+        allocator.free(held)
+        allocator.restore_state(state)
+        allocator.free(held)
+        assert allocator.drop_counts()["double_free"] == 0
+
+
+class TestReqToTokenPool:
+    def test_construct_gives_padded_int32_table(self) -> None:
+        pool = ReqToTokenPool(4, 16)
+        assert pool.req_to_token.shape == (5, 16)
+        assert pool.req_to_token.dtype == torch.int32
+        assert int(pool.req_to_token.abs().sum()) == 0
+        assert pool.available_size() == 4
+
+    @pytest.mark.parametrize(
+        ("size", "length", "match"), [(0, 8, "size must be >= 1"), (2, 0, "max_context_len")]
+    )
+    def test_construct_bad_shape_raises_value_error(
+        self, size: int, length: int, match: str
+    ) -> None:
+        with pytest.raises(ValueError, match=match):
+            ReqToTokenPool(size, length)
+
+    def test_alloc_all_rows_never_hands_out_row_zero(self) -> None:
+        pool = ReqToTokenPool(4, 8)
+        assert pool.alloc(4) == [1, 2, 3, 4]
+        assert pool.alloc(1) is None
+        assert pool.available_size() == 0
+
+    def test_alloc_more_than_available_returns_none_and_takes_nothing(self) -> None:
+        pool = ReqToTokenPool(3, 8)
+        assert pool.alloc(4) is None
+        assert pool.available_size() == 3
+
+    def test_free_then_alloc_reuses_row(self) -> None:
+        pool = ReqToTokenPool(3, 8)
+        rows = pool.alloc(3)
+        pool.free(rows[1])
+        assert pool.alloc() == [rows[1]]
+
+    @pytest.mark.parametrize("row", [0, 4, -1])
+    def test_free_non_request_row_raises_value_error(self, row: int) -> None:
+        pool = ReqToTokenPool(3, 8)
+        with pytest.raises(ValueError, match="not a request row"):
+            pool.free(row)
+
+    def test_write_stores_int32_slots_at_positions(self) -> None:
+        pool = ReqToTokenPool(2, 8)
+        (row,) = pool.alloc()
+        pool.write(row, 2, torch.tensor([11, 12, 13], dtype=torch.int64))
+        assert pool.req_to_token[row].tolist() == [0, 0, 11, 12, 13, 0, 0, 0]
+        assert pool.req_to_token.dtype == torch.int32
+        assert int(pool.req_to_token[0].abs().sum()) == 0
+
+    def test_clear_frees_rows_and_zeroes_table(self) -> None:
+        pool = ReqToTokenPool(2, 4)
+        (row,) = pool.alloc()
+        pool.write(row, 0, torch.tensor([5, 6]))
+        pool.clear()
+        assert pool.available_size() == 2
+        assert int(pool.req_to_token.abs().sum()) == 0

@@ -1,0 +1,331 @@
+"""engine_stub.invariants: registry, levels, crash matrix, count path, firings, properties."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from unittest import mock
+
+import pytest
+import torch
+
+from engine_stub.invariants import (
+    Bucket,
+    Finite,
+    Firing,
+    InClosedRange,
+    InRange,
+    Invariant,
+    InvariantCheckLevel,
+    InvariantViolation,
+    IsTrue,
+    NotInf,
+    NotNaN,
+    PageAligned,
+    Property,
+    crashes,
+    drain_firings,
+    expect,
+    hit_counts,
+    override_level,
+    resolve_level,
+    set_firing_sink,
+)
+from engine_stub.synccheck import count_syncs
+
+OFF, WARN, STRICT = InvariantCheckLevel.OFF, InvariantCheckLevel.WARN, InvariantCheckLevel.STRICT
+FAILING = torch.tensor([True, False, True, False])
+PASSING = torch.tensor([True, True, True])
+
+
+def _make_invariant(
+    bucket: Bucket = Bucket.GUARD, prop: Property | None = None, **kwargs
+) -> Invariant:
+    # The registry is process-global, so every test invariant gets a fresh name.
+    return Invariant(f"test.{uuid.uuid4().hex}", bucket, prop or IsTrue(), **kwargs)
+
+
+def _assert_calls_naming(assert_async: mock.MagicMock, name: str) -> list[mock._Call]:
+    return [c for c in assert_async.call_args_list if f"[{name}]" in c.args[1]]
+
+
+class TestRegistry:
+    def test_register_duplicate_name_raises_key_error(self) -> None:
+        inv = _make_invariant()
+        with pytest.raises(KeyError, match="already registered"):
+            Invariant(inv.name, Bucket.SOFTEN, IsTrue())
+
+    def test_fatal_uncontainable_with_recover_raises_value_error(self) -> None:
+        with pytest.raises(ValueError, match="FATAL_UNCONTAINABLE has no correct recovery"):
+            _make_invariant(Bucket.FATAL_UNCONTAINABLE, recover=lambda v: v)
+
+    @pytest.mark.parametrize("name", ["", None])
+    def test_register_empty_name_raises_value_error(self, name: str | None) -> None:
+        with pytest.raises(ValueError, match="non-empty name"):
+            Invariant(name, Bucket.GUARD, IsTrue())  # type: ignore[arg-type]
+
+    def test_register_non_bucket_raises_type_error(self) -> None:
+        with pytest.raises(TypeError, match="must be a Bucket"):
+            Invariant(f"test.{uuid.uuid4().hex}", "GUARD", IsTrue())  # type: ignore[arg-type]
+
+
+LEVEL_TEXTS = [
+    ("off", OFF),
+    ("OFF", OFF),
+    ("Warn", WARN),
+    ("warn", WARN),
+    ("strict", STRICT),
+    ("STRICT", STRICT),
+    (" strict ", STRICT),
+    ("0", OFF),
+    ("1", WARN),
+    ("2", STRICT),
+]
+BAD_LEVEL_TEXTS = ["3", "-1", "on", "true", "strictest", "2.0", "warning"]
+
+
+class TestLevels:
+    def test_resolve_level_without_env_returns_off(self) -> None:
+        assert resolve_level() is OFF
+
+    def test_resolve_level_with_empty_env_returns_off(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("ENGINE_STUB_INVARIANT_CHECK", "")
+        assert resolve_level() is OFF
+
+    @pytest.mark.parametrize(("text", "level"), LEVEL_TEXTS)
+    def test_resolve_level_reads_env_returns_level(
+        self, monkeypatch: pytest.MonkeyPatch, text: str, level: InvariantCheckLevel
+    ) -> None:
+        monkeypatch.setenv("ENGINE_STUB_INVARIANT_CHECK", text)
+        assert resolve_level() is level
+
+    @pytest.mark.parametrize("text", BAD_LEVEL_TEXTS)
+    def test_resolve_level_bad_env_raises_value_error_naming_variable(
+        self, monkeypatch: pytest.MonkeyPatch, text: str
+    ) -> None:
+        monkeypatch.setenv("ENGINE_STUB_INVARIANT_CHECK", text)
+        with pytest.raises(ValueError, match=r"ENGINE_STUB_INVARIANT_CHECK=.*off\|warn\|strict"):
+            resolve_level()
+
+    @pytest.mark.parametrize(("text", "level"), LEVEL_TEXTS)
+    def test_override_level_parses_text_returns_level(
+        self, text: str, level: InvariantCheckLevel
+    ) -> None:
+        with override_level(text) as in_force:
+            assert in_force is level
+            assert resolve_level() is level
+        assert resolve_level() is OFF
+
+    @pytest.mark.parametrize("text", BAD_LEVEL_TEXTS)
+    def test_override_level_bad_text_raises_value_error(self, text: str) -> None:
+        with pytest.raises(ValueError, match="not a check level"), override_level(text):
+            pass
+
+    @pytest.mark.parametrize(
+        ("number", "level"), [(0, OFF), (1, WARN), (2, STRICT), (STRICT, STRICT)]
+    )
+    def test_override_level_accepts_int_returns_level(
+        self, number: int, level: InvariantCheckLevel
+    ) -> None:
+        with override_level(number) as in_force:
+            assert in_force is level
+
+    def test_override_level_beats_env_and_restores_on_exit(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("ENGINE_STUB_INVARIANT_CHECK", "warn")
+        with override_level("strict"):
+            with override_level("off"):
+                assert resolve_level() is OFF
+            assert resolve_level() is STRICT
+        assert resolve_level() is WARN
+
+    def test_override_level_restores_after_exception(self) -> None:
+        with pytest.raises(RuntimeError, match="boom"), override_level("strict"):
+            raise RuntimeError("boom")
+        assert resolve_level() is OFF
+
+
+# (bucket, level, outcome of a failing expect): every cell of SGLang's crash matrix.
+CRASH_MATRIX = [
+    (Bucket.SOFTEN, OFF, "silent"),
+    (Bucket.SOFTEN, WARN, "count"),
+    (Bucket.SOFTEN, STRICT, "count"),
+    (Bucket.GUARD, OFF, "silent"),
+    (Bucket.GUARD, WARN, "count"),
+    (Bucket.GUARD, STRICT, "crash"),
+    (Bucket.FATAL_CONTAINABLE, OFF, "silent"),
+    (Bucket.FATAL_CONTAINABLE, WARN, "count"),
+    (Bucket.FATAL_CONTAINABLE, STRICT, "crash"),
+    (Bucket.FATAL_UNCONTAINABLE, OFF, "silent"),
+    (Bucket.FATAL_UNCONTAINABLE, WARN, "crash"),
+    (Bucket.FATAL_UNCONTAINABLE, STRICT, "crash"),
+]
+
+
+class TestCrashMatrix:
+    @pytest.mark.parametrize(("bucket", "level", "outcome"), CRASH_MATRIX)
+    def test_crashes_matches_matrix(
+        self, bucket: Bucket, level: InvariantCheckLevel, outcome: str
+    ) -> None:
+        assert crashes(bucket, level) is (outcome == "crash")
+
+    @pytest.mark.parametrize(("bucket", "level", "outcome"), CRASH_MATRIX)
+    def test_expect_failing_value_crashes_or_counts(
+        self, bucket: Bucket, level: InvariantCheckLevel, outcome: str
+    ) -> None:
+        inv = _make_invariant(bucket)
+        with override_level(level):
+            if outcome == "crash":
+                with pytest.raises(InvariantViolation, match=rf"\[{inv.name}\]: planted"):
+                    expect(inv, FAILING, "planted")
+            else:
+                assert expect(inv, FAILING, "planted") is FAILING
+        assert hit_counts()[inv.name] == (0 if outcome == "silent" else 2)
+
+    @pytest.mark.parametrize(("bucket", "level", "outcome"), CRASH_MATRIX)
+    def test_expect_passing_value_never_fires(
+        self, bucket: Bucket, level: InvariantCheckLevel, outcome: str
+    ) -> None:
+        inv = _make_invariant(bucket)
+        with override_level(level):
+            expect(inv, PASSING, "planted")
+            assert drain_firings() == []
+        assert hit_counts()[inv.name] == 0
+
+    @pytest.mark.parametrize("level", [OFF, WARN, STRICT])
+    @pytest.mark.parametrize("bucket", list(Bucket))
+    def test_expect_empty_tensor_never_fires(
+        self, bucket: Bucket, level: InvariantCheckLevel
+    ) -> None:
+        inv = _make_invariant(bucket)
+        with override_level(level), mock.patch.object(torch, "_assert_async") as assert_async:
+            expect(inv, torch.zeros(0, dtype=torch.bool), "empty")
+        assert_async.assert_not_called()
+        assert hit_counts()[inv.name] == 0
+
+
+class TestCrashPath:
+    @pytest.mark.parametrize(("value", "predicate"), [(FAILING, False), (PASSING, True)])
+    def test_crash_path_hands_predicate_and_name_to_async_assert(
+        self, value: torch.Tensor, predicate: bool
+    ) -> None:
+        inv = _make_invariant(Bucket.GUARD)
+        with override_level(STRICT), mock.patch.object(torch, "_assert_async") as assert_async:
+            expect(inv, value, "caller wants free")
+        condition, message = assert_async.call_args.args
+        assert bool(condition) is predicate
+        assert f"[{inv.name}]" in message
+        assert message.endswith("caller wants free")
+
+    def test_crash_path_emits_firing_before_raising(self) -> None:
+        inv = _make_invariant(Bucket.FATAL_UNCONTAINABLE, site="test.site")
+        seen: list[Firing] = []
+        set_firing_sink(seen.append)
+        with override_level(WARN), pytest.raises(InvariantViolation) as excinfo:
+            expect(inv, FAILING, "planted", slots=torch.tensor([10, 11, 12, 13]))
+        assert seen == [excinfo.value.firing]
+        firing = seen[0]
+        assert (firing.name, firing.bucket, firing.level, firing.site) == (
+            inv.name,
+            "FATAL_UNCONTAINABLE",
+            "WARN",
+            "test.site",
+        )
+        assert firing.crashed
+        assert firing.slots == (11, 13)
+        assert (firing.new_hits, firing.total_hits) == (2, 2)
+
+
+class TestCountPath:
+    def test_count_path_failing_value_does_not_sync(self) -> None:
+        inv = _make_invariant(Bucket.GUARD)
+        planted = torch.tensor([1, 2])
+        # Gate: a detector blind to scalar reads would pass the assert below whatever expect does.
+        assert count_syncs(lambda: planted.sum().item()).total > 0, (
+            "synccheck missed a planted .item()"
+        )
+        with override_level(WARN):
+            check = count_syncs(expect, inv, FAILING, "planted", slots=torch.tensor([1, 2, 3, 4]))
+        assert check.total == 0, check.summary()
+        assert hit_counts()[inv.name] == 2
+
+    def test_drain_firings_reports_each_increase_once_with_failing_slots(self) -> None:
+        inv = _make_invariant(Bucket.GUARD, site="test.site")
+        seen: list[Firing] = []
+        set_firing_sink(seen.append)
+        with override_level(WARN):
+            expect(inv, FAILING, "first", slots=torch.tensor([10, 11, 12, 13]))
+            expect(inv, PASSING, "ignored", slots=torch.tensor([20, 21, 22]))
+            (firing,) = drain_firings()
+            assert drain_firings() == []
+            expect(inv, torch.tensor([False]), "second", slots=torch.tensor([30]))
+            (later,) = drain_firings()
+        assert (firing.name, firing.bucket, firing.level, firing.site) == (
+            inv.name,
+            "GUARD",
+            "WARN",
+            "test.site",
+        )
+        assert not firing.crashed
+        assert firing.slots == (11, 13)
+        assert firing.msg == "first"
+        assert (firing.new_hits, firing.total_hits) == (2, 2)
+        assert (later.slots, later.msg, later.new_hits, later.total_hits) == ((30,), "second", 1, 3)
+        assert seen == [firing, later]
+
+    def test_drain_firings_without_slots_returns_firing_with_no_slots(self) -> None:
+        inv = _make_invariant(Bucket.SOFTEN)
+        with override_level(STRICT):
+            expect(inv, FAILING, "no slots")
+            (firing,) = drain_firings()
+        assert firing.slots == ()
+        assert firing.to_dict()["invariant"] == inv.name
+
+    @pytest.mark.parametrize("level", [OFF, WARN, STRICT])
+    def test_recover_applies_at_every_level(self, level: InvariantCheckLevel) -> None:
+        inv = _make_invariant(Bucket.SOFTEN, InRange(0, 8), recover=lambda v: v.clamp(0, 7))
+        with override_level(level):
+            recovered = expect(inv, torch.tensor([-3, 2, 9]), "clamp")
+        assert recovered.tolist() == [0, 2, 7]
+        assert hit_counts()[inv.name] == (0 if level is OFF else 2)
+
+
+NAN, INF = math.nan, math.inf
+PROPERTY_CASES = [
+    (IsTrue(), torch.tensor([True, False]), [True, False]),
+    (IsTrue(), torch.tensor([0, 3, -1]), [False, True, True]),
+    (InRange(0, 4), torch.tensor([-1, 0, 3, 4]), [False, True, True, False]),
+    (InRange(0.5, 1.5), torch.tensor([0.25, 0.5, 1.49, 1.5]), [False, True, True, False]),
+    (InClosedRange(0, 4), torch.tensor([-1, 0, 4, 5]), [False, True, True, False]),
+    (PageAligned(4), torch.tensor([0, 4, 6, -4, -3]), [True, True, False, True, False]),
+    (PageAligned(1), torch.tensor([0, 5, 7]), [True, True, True]),
+    (NotNaN(), torch.tensor([0.0, NAN, INF]), [True, False, True]),
+    (NotInf(), torch.tensor([0.0, NAN, INF, -INF]), [True, True, False, False]),
+    (Finite(), torch.tensor([0.0, NAN, INF, -INF]), [True, False, False, False]),
+]
+
+
+class TestProperties:
+    @pytest.mark.parametrize(("prop", "value", "expected"), PROPERTY_CASES, ids=repr)
+    def test_ok_on_planted_values_returns_elementwise_bools(
+        self, prop: Property, value: torch.Tensor, expected: list[bool]
+    ) -> None:
+        ok = prop.ok(value)
+        assert ok.dtype == torch.bool
+        assert ok.shape == value.shape
+        assert ok.tolist() == expected
+
+    @pytest.mark.parametrize(
+        ("make", "match"),
+        [
+            (lambda: InRange(1, 1), "lo < hi"),
+            (lambda: InClosedRange(2, 1), "lo <= hi"),
+            (lambda: PageAligned(0), "page_size >= 1"),
+        ],
+    )
+    def test_construct_empty_range_raises_value_error(self, make, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            make()
