@@ -392,7 +392,7 @@ def expect(
         counter.add_((~ok).sum())
         if crashes(inv.bucket, level):
             _assert_or_raise(inv, ok, msg, level, slots)
-        elif slots is not None and len(_pending_contexts) < _MAX_PENDING:
+        elif (slots is not None or msg) and len(_pending_contexts) < _MAX_PENDING:
             _pending_contexts.append((inv, ok, slots, msg))
     if inv.recover is not None:
         value = inv.recover(value)
@@ -457,12 +457,13 @@ def drain_firings() -> list[Firing]:
         slots: list[int] = []
         msgs: list[str] = []
         for pending_inv, ok, pending_slots, msg in pending:
-            if pending_inv is inv:
-                bad = _failed_slots(ok, pending_slots)
-                if bad:
-                    slots.extend(bad)
-                    if msg and msg not in msgs:
-                        msgs.append(msg)
+            if pending_inv is not inv:
+                continue
+            bad = _failed_slots(ok, pending_slots)
+            slots.extend(bad)
+            failed = bool(bad) if pending_slots is not None else not bool(ok.all())
+            if failed and msg and msg not in msgs:
+                msgs.append(msg)
         firing = Firing(
             name=name,
             bucket=inv.bucket.name,

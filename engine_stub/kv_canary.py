@@ -1,7 +1,9 @@
 """KV canary: per-slot shadow records that prove every slot a forward reads holds what it should.
 
 For each pool (FULL, SWA) a record per slot row: (token, position, prev_hash, kv_hash).
-`prev_hash` chains every position to the one before it, `kv_hash` folds the real K/V bytes of the
+`prev_hash` chains every position to the one before it (over token and position only, so two
+requests that computed the same prefix in different batches, whose KV may differ in the last bit,
+still chain identically after the radix cache keeps one copy), `kv_hash` folds the real K/V bytes of the
 group's layers. A forward is bracketed by a HEAD verify (chain + position of every prefix slot
 the batch will read; SWA group: last window only) and a TAIL verify (the same plus the real-KV
 hash, after the new records were written). Every `sweep_interval` steps a SWEEP verifies every
@@ -50,11 +52,10 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def _mix4(prev: torch.Tensor, token: torch.Tensor, position: torch.Tensor, kv_hash: torch.Tensor) -> torch.Tensor:
-    return _splitmix(
-        prev * _MIX_MULTIPLIERS[0] + token * _MIX_MULTIPLIERS[1]
-        + position * _MIX_MULTIPLIERS[2] + kv_hash * _MIX_MULTIPLIERS[3]
-    )
+def _chain(prev: torch.Tensor, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    # The real-KV hash stays out of the chain: it is verified on its own (verify_real_kv_hash),
+    # and KV bits depend on batch composition, which a deduplicated radix prefix does not keep.
+    return _splitmix(prev * _MIX_MULTIPLIERS[0] + token * _MIX_MULTIPLIERS[1] + position * _MIX_MULTIPLIERS[2])
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class KVCanary:
             seed_pos = torch.tensor([max(r.prefix_len - 1, 0) for r in reqs], device=self.device)
             seed_rows = self._rows(group, req_to_token[rows_t, seed_pos].to(torch.int64))
             seed = records[seed_rows]
-            prev = _mix4(seed[:, 2], seed[:, 0], seed[:, 1], seed[:, 3])
+            prev = _chain(seed[:, 2], seed[:, 0], seed[:, 1])
             has_prefix = torch.tensor([r.prefix_len > 0 for r in reqs], device=self.device)
             prev = torch.where(has_prefix, prev, torch.full_like(prev, _CHAIN_SEED))
             for j in range(max_extend):
@@ -218,7 +219,7 @@ class KVCanary:
                 kvh = self._kv_hash(group, rows)
                 record = torch.stack([tok, pos, prev[idx], kvh], dim=1)
                 records.index_copy_(0, rows, record)
-                prev = prev.index_copy(0, idx, _mix4(prev[idx], tok, pos, kvh))
+                prev = prev.index_copy(0, idx, _chain(prev[idx], tok, pos))
         self.stats["writes"] += sum(r.seq_len - r.prefix_len for r in reqs)
 
     # ---- verify -----------------------------------------------------------------------------
@@ -290,12 +291,14 @@ class KVCanary:
     ) -> None:
         records = self.records[group]
         rows = self._rows(group, slots)
-        # Row 0 is padding: an unmapped (released) SWA peer or a zeroed entry reads there.
-        checked = rows > 0
+        # A zeroed req_to_token entry reads the padding slot and is skipped. An SWA position
+        # inside the window must have a live peer, so there a released peer (row 0) is checked
+        # and fails; the sweep only walks live (non-tombstone) positions.
+        checked = slots > 0
         stored = records[rows]
         prev = records[self._rows(group, prev_slots)]
         expected_prev = torch.where(
-            positions == 0, torch.full_like(positions, _CHAIN_SEED), _mix4(prev[:, 2], prev[:, 0], prev[:, 1], prev[:, 3])
+            positions == 0, torch.full_like(positions, _CHAIN_SEED), _chain(prev[:, 2], prev[:, 0], prev[:, 1])
         )
         failed = {
             "verify_chain_hash": checked & check_chain & (stored[:, 2] != expected_prev),

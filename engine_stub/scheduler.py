@@ -17,7 +17,7 @@ import torch
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.idle_check import IdleChecker
-from engine_stub.invariants import drain_firings
+from engine_stub.invariants import Bucket, Invariant, IsTrue, drain_firings, expect
 from engine_stub.kv_canary import CanaryRequest, CanaryViolation, KVCanary
 from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
 from engine_stub.mem.kv_pool import HybridKVPool
@@ -27,6 +27,11 @@ from engine_stub.perturb.sites import Site
 from engine_stub.req import Req, RequestRejected
 
 __all__ = ["Scheduler", "CanaryRaised"]
+
+DECODE_STALL = Invariant(
+    "sched.decode_stall", Bucket.GUARD, IsTrue(), site="Scheduler._schedule_decode",
+    description="decode could not allocate one slot per running request (a pool ran dry)",
+)
 
 
 class CanaryRaised(RuntimeError):
@@ -301,6 +306,8 @@ class Scheduler:
             self.events.write("decode_stall", running=len(reqs),
                               full_available=self.allocator.full_available_size(),
                               swa_available=self.allocator.swa_available_size())
+            # Admission reserved room for every running request: a stall means slots leaked.
+            expect(DECODE_STALL, torch.tensor(False), "decode cannot allocate: a pool ran dry")
             return []
         table = self.req_to_token_pool.req_to_token
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
@@ -330,6 +337,8 @@ class Scheduler:
         slots = overridden.get("slots", slots)
         new_frontier = overridden.get("new_frontier", new_frontier)
         self.allocator.free_swa(slots)
+        if "then_free_swa" in overridden:
+            self.allocator.free_swa(overridden["then_free_swa"])
         self.stats["swa_evicted_tokens"] += new_frontier - frontier
         req.swa_evicted_seqlen = new_frontier
 
@@ -343,6 +352,8 @@ class Scheduler:
         if not overridden.get("leak", False):
             self._release_kv(req)
             self.req_to_token_pool.free(req.row)
+        if "then_free_full" in overridden:
+            self.allocator.free_full(overridden["then_free_full"])
         self.stats["finished_requests"] += 1
         self.events.write("request_finished", rid=req.rid, output_len=len(req.output_ids),
                           admitted_step=req.admitted_step)
@@ -355,7 +366,7 @@ class Scheduler:
         slots = self.req_to_token_pool.req_to_token[req.row, :kv_len].to(torch.int64)
         frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
         if self.tree_cache is None:
-            self._free_full(slots[:frontier])
+            self.allocator.free_full(slots[:frontier])
             self.allocator.free(slots[frontier:])
             return
         aligned = _page_floor(kv_len, page)
@@ -368,10 +379,6 @@ class Scheduler:
         )
         self.tree_cache.dec_lock_ref(req.lock)
         req.lock = None
-
-    def _free_full(self, slots: torch.Tensor) -> None:
-        overridden = self._hook(Site.ON_FREE_FULL, slots=slots)
-        self.allocator.free_full(overridden.get("slots", slots))
 
     # ---- end of step ---------------------------------------------------------------------------
 

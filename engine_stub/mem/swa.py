@@ -98,6 +98,8 @@ class SWATokenToKVPoolAllocator:
         self.full_to_swa_index_mapping[-1] = -1
         self.free_group: list[torch.Tensor] | None = None
         self.full_free_group: list[torch.Tensor] = []
+        # Debug switch (like SGLANG_DEBUG_REVERT_PR): the pre-PR-36723 silent filter, no checks.
+        self.revert_pr_36723 = False
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -213,11 +215,14 @@ class SWATokenToKVPoolAllocator:
         if free_index.numel() == 0:
             return
         free_index = free_index.to(torch.int64)
-        if self.page_size == 1:
+        if self.page_size == 1 and not self.revert_pr_36723:
             # A `> 0` filter here would make the shape data-dependent: a device-to-host sync.
             mapping_indices = free_index
             swa_indices = self.full_to_swa_index_mapping[mapping_indices]
             expect(SWA_PEER_MAPPED, swa_indices > 0, "caller wants free_full", slots=free_index)
+        elif self.page_size == 1:
+            mapping_indices = free_index
+            swa_indices = self.full_to_swa_index_mapping[mapping_indices]
         else:
             mapping_indices = self._expand_to_full_pages(free_index)
             swa_indices = self.full_to_swa_index_mapping[mapping_indices]
@@ -236,7 +241,7 @@ class SWATokenToKVPoolAllocator:
         return (first_slots[:, None] + offsets).reshape(-1)
 
     def _release_swa(self, swa_indices: torch.Tensor) -> None:
-        if self.page_size > 1:
+        if self.page_size > 1 or self.revert_pr_36723:
             # HiCache load-back can leave unmapped slots inside a page; one filter per group.
             swa_indices = swa_indices[swa_indices > 0]
         self.swa_attn_allocator.free(swa_indices)
@@ -249,12 +254,13 @@ class SWATokenToKVPoolAllocator:
         free_index = free_index.to(torch.int64)
         # Checked at enqueue: a cache action later in this group may pair the slot again, and
         # that new peer is not this call's to judge.
-        expect(
-            SWA_PEER_RELEASED,
-            self.full_to_swa_index_mapping[free_index] == 0,
-            "caller wants free",
-            slots=free_index,
-        )
+        if not self.revert_pr_36723:
+            expect(
+                SWA_PEER_RELEASED,
+                self.full_to_swa_index_mapping[free_index] == 0,
+                "caller wants free",
+                slots=free_index,
+            )
         if self.free_group is None:
             self.full_attn_allocator.free(free_index)
         else:

@@ -1,0 +1,35 @@
+"""Load the engine's part of a scenario: its engine knobs and its perturbations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine_stub.perturb.kinds import KINDS
+from engine_stub.perturb.perturber import Perturber
+from engine_stub.perturb.spec import parse_perturbations
+
+__all__ = ["load_engine_scenario"]
+
+
+def load_engine_scenario(path: str | Path) -> tuple[dict[str, Any], Perturber | None]:
+    """(engine knob overrides, perturber or None) from a scenario file (YAML or JSON).
+
+    Reads `seed`, `engine` (flat knobs; a `profile` key is the canary suite's business and must be
+    resolved before the engine sees the file) and `perturbations`; other keys are ignored.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a scenario must be a mapping")
+    engine = dict(raw.get("engine") or {})
+    if "profile" in engine:
+        raise ValueError(f"{path}: engine.profile must be resolved by the canary suite (use canary run)")
+    if "seed" in raw:
+        engine.setdefault("seed", raw["seed"])
+    specs = parse_perturbations(raw.get("perturbations"), tuple(KINDS))
+    perturber = Perturber(specs, int(engine.get("seed", 0))) if specs else None
+    return engine, perturber
