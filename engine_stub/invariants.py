@@ -36,6 +36,9 @@ __all__ = [
     "InvariantCheckLevel",
     "InvariantViolation",
     "IsTrue",
+    "IsZero",
+    "Positive",
+    "checks_enabled",
     "NotInf",
     "NotNaN",
     "PageAligned",
@@ -113,6 +116,20 @@ class IsTrue(Property):
 
     def ok(self, value: torch.Tensor) -> torch.Tensor:
         return value if value.dtype == torch.bool else value != 0
+
+
+class Positive(Property):
+    """value > 0 (e.g. a mapped SWA peer: 0 is the padding slot)."""
+
+    def ok(self, value: torch.Tensor) -> torch.Tensor:
+        return value > 0
+
+
+class IsZero(Property):
+    """value == 0 (e.g. a released SWA peer)."""
+
+    def ok(self, value: torch.Tensor) -> torch.Tensor:
+        return value == 0
 
 
 class NotNaN(Property):
@@ -270,6 +287,11 @@ def resolve_level() -> InvariantCheckLevel:
     level = InvariantCheckLevel.OFF if raw is None or raw == "" else InvariantCheckLevel.parse(raw)
     _env_cache = (raw, level)
     return level
+
+
+def checks_enabled() -> bool:
+    """Whether `expect` evaluates anything now; guard costly value construction with it."""
+    return resolve_level() != InvariantCheckLevel.OFF
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ class _BareFreeSwa:
         self.mapping.index_copy_(0, self.full_ids, self.swa_ids)
         self.allocated.index_fill_(0, self.swa_ids, True)
         self.free_list.clear()
-        return self.full_ids
+        # A fresh tensor each repetition, as alloc hands out, so both sides index alike.
+        return self.full_ids.clone()
 
     def run(self, idx: torch.Tensor) -> None:
         peers = self.mapping[idx]
@@ -59,23 +60,38 @@ class _BareFreeSwa:
         self.allocated.index_fill_(0, peers, False)
         self.free_list.append(peers)
 
+    def run_deferred(self, idx: torch.Tensor) -> None:
+        """What free_swa must do inside a free group: resolve the peers, clear, queue them."""
+        peers = self.mapping[idx]
+        self.mapping.index_fill_(0, idx, 0)
+        self.free_list.append(peers)
+
 
 class _FreeSwa:
-    """`SWATokenToKVPoolAllocator.free_swa` on page_size 1; the full side is freed off the clock."""
+    """`SWATokenToKVPoolAllocator.free_swa` on page_size 1; the full side is freed off the clock.
 
-    def __init__(self, batch: int, device: torch.device) -> None:
+    `grouped`: the call sits inside a free group, as every free_swa of the engine does; the
+    group's one release (free_group_end) runs off the clock, like the full side.
+    """
+
+    def __init__(self, batch: int, device: torch.device, *, grouped: bool = False) -> None:
         self.allocator = SWATokenToKVPoolAllocator(4 * batch, 2 * batch, 1, device)
         self.batch = batch
+        self.grouped = grouped
 
     def setup(self) -> torch.Tensor:
         idx = self.allocator.alloc(self.batch)
         assert idx is not None
+        if self.grouped:
+            self.allocator.free_group_begin()
         return idx
 
     def run(self, idx: torch.Tensor) -> None:
         self.allocator.free_swa(idx)
 
     def teardown(self, idx: torch.Tensor) -> None:
+        if self.grouped:
+            self.allocator.free_group_end()
         self.allocator.free_full(idx)
 
 
@@ -91,17 +107,19 @@ def bench_free_swa(iters: int, batch: int, device: torch.device) -> dict[str, fl
     """Median seconds per call of the bare ops and of free_swa at each level."""
     bare = _BareFreeSwa(batch, device)
     cases: dict[str, _FreeSwa] = {level.name: _FreeSwa(batch, device) for level in LEVELS}
-    samples: dict[str, list[float]] = {"bare": [], **{name: [] for name in cases}}
+    cases |= {f"grouped_{level.name}": _FreeSwa(batch, device, grouped=True) for level in LEVELS}
+    samples: dict[str, list[float]] = {"bare": [], "bare_deferred": [], **{name: [] for name in cases}}
     names = list(samples)
     for rep in range(iters + 1):  # repetition 0 warms up and is discarded
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
-            if name == "bare":
+            if name.startswith("bare"):
                 idx = bare.setup()
-                seconds = _time_once(lambda idx=idx: bare.run(idx), device)
+                run = bare.run if name == "bare" else bare.run_deferred
+                seconds = _time_once(lambda idx=idx, run=run: run(idx), device)
             else:
                 case = cases[name]
-                with override_level(name):
+                with override_level(name.removeprefix("grouped_")):
                     idx = case.setup()
                     seconds = _time_once(lambda case=case, idx=idx: case.run(idx), device)
                     case.teardown(idx)
@@ -157,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     free_swa = bench_free_swa(args.iters, args.batch, device)
     throughput = bench_throughput(args.iters, args.batch, device)
     ratios = {level.name: free_swa[level.name] / free_swa["bare"] for level in LEVELS}
+    grouped = {level.name: free_swa[f"grouped_{level.name}"] / free_swa["bare_deferred"] for level in LEVELS}
 
     head = f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}"
     print(f"{head}, median us/call")
@@ -164,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare'] * 1e6:>10.1f}" for _ in LEVELS))
     print(f"{'free_swa':<16}" + "".join(f"{free_swa[level.name] * 1e6:>10.1f}" for level in LEVELS))
     print(f"{'free_swa/bare':<16}" + "".join(f"{ratios[level.name]:>9.2f}x" for level in LEVELS))
+    print()
+    print("inside a free group (the engine's path: the release is batched at free_group_end)")
+    print(f"{'bare deferred':<16}" + "".join(f"{free_swa['bare_deferred'] * 1e6:>10.1f}" for _ in LEVELS))
+    print(f"{'free_swa':<16}" + "".join(f"{free_swa['grouped_' + level.name] * 1e6:>10.1f}" for level in LEVELS))
+    print(f"{'free_swa/bare':<16}" + "".join(f"{grouped[level.name]:>9.2f}x" for level in LEVELS))
     print()
     print(f"alloc+free through the SWA allocator, batch {args.batch} (whole pages), level OFF")
     print(f"{'page_size':<16}{'pairs/s':>10}{'tokens/s':>12}")
@@ -180,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 "free_swa_us": {"bare": free_swa["bare"] * 1e6}
                 | {level.name.lower(): free_swa[level.name] * 1e6 for level in LEVELS},
                 "free_swa_over_bare": {level.name.lower(): ratios[level.name] for level in LEVELS},
+                "grouped_free_swa_over_bare": {level.name.lower(): grouped[level.name] for level in LEVELS},
                 "alloc_free_pairs_per_s": {str(page): rate for page, rate in throughput.items()},
             }
         )

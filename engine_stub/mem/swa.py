@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_stub.invariants import Bucket, InClosedRange, Invariant, IsTrue, expect
+from engine_stub.invariants import (
+    Bucket,
+    InClosedRange,
+    Invariant,
+    IsZero,
+    Positive,
+    checks_enabled,
+    expect,
+)
 from engine_stub.mem.allocator import (
     AllocatorState,
     BaseTokenToKVPoolAllocator,
@@ -36,7 +44,7 @@ __all__ = ["SWATokenToKVPoolAllocator", "SWAAllocatorState"]
 SWA_PEER_MAPPED = Invariant(
     "swa.peer_mapped",
     Bucket.FATAL_UNCONTAINABLE,
-    IsTrue(),
+    Positive(),
     site="SWATokenToKVPoolAllocator.free_swa",
     description="free_swa (page_size 1) met a slot whose SWA peer is already released",
 )
@@ -44,7 +52,7 @@ SWA_PEER_MAPPED = Invariant(
 SWA_PEER_RELEASED = Invariant(
     "swa.peer_released",
     Bucket.GUARD,
-    IsTrue(),
+    IsZero(),
     site="SWATokenToKVPoolAllocator.free_full",
     description="free_full met a slot whose SWA peer is still mapped (the peer would leak)",
 )
@@ -214,19 +222,15 @@ class SWATokenToKVPoolAllocator:
         """Release the SWA peers of FULL slots and zero their mapping entries."""
         if free_index.numel() == 0:
             return
-        free_index = free_index.to(torch.int64)
+        if free_index.dtype != torch.int64:
+            free_index = free_index.to(torch.int64)
+        mapping_indices = free_index if self.page_size == 1 else self._expand_to_full_pages(free_index)
+        swa_indices = self.full_to_swa_index_mapping[mapping_indices]
         if self.page_size == 1 and not self.revert_pr_36723:
-            # A `> 0` filter here would make the shape data-dependent: a device-to-host sync.
-            mapping_indices = free_index
-            swa_indices = self.full_to_swa_index_mapping[mapping_indices]
-            expect(SWA_PEER_MAPPED, swa_indices > 0, "caller wants free_full", slots=free_index)
-        elif self.page_size == 1:
-            mapping_indices = free_index
-            swa_indices = self.full_to_swa_index_mapping[mapping_indices]
-        else:
-            mapping_indices = self._expand_to_full_pages(free_index)
-            swa_indices = self.full_to_swa_index_mapping[mapping_indices]
-        self.clear_full_to_swa_mapping(mapping_indices)
+            # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
+            expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
+        # index_fill_, not `mapping[idx] = 0`: assigning a host scalar is a blocking H2D copy.
+        self.full_to_swa_index_mapping.index_fill_(0, mapping_indices, 0)
         if self.free_group is not None:
             # Ownership is resolved now: a later action in this group may re-pair the slot.
             self.free_group.append(swa_indices)
@@ -254,10 +258,10 @@ class SWATokenToKVPoolAllocator:
         free_index = free_index.to(torch.int64)
         # Checked at enqueue: a cache action later in this group may pair the slot again, and
         # that new peer is not this call's to judge.
-        if not self.revert_pr_36723:
+        if not self.revert_pr_36723 and checks_enabled():
             expect(
                 SWA_PEER_RELEASED,
-                self.full_to_swa_index_mapping[free_index] == 0,
+                self.full_to_swa_index_mapping[free_index],
                 "caller wants free",
                 slots=free_index,
             )

@@ -1,0 +1,206 @@
+"""Verdicts from synthetic event logs, and the JSONL / JUnit reports."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from canaries.report import append_verdict, read_verdicts, write_junit
+from canaries.scenario import Disabled, Expect, Scenario, Workload
+from canaries.verdict import PASSING, VERDICTS, Observation, VerdictRecord, judge
+from engine_stub.perturb.spec import PerturbationSpec
+
+ENGINE = {"invariant_check": "strict", "kv_canary": "log", "seed": 3}
+
+
+def scenario(expect: Expect, *, perturbed: bool = True, engine: dict | None = None) -> Scenario:
+    return Scenario(
+        name="s", description="", seed=3, profile="cpu-tiny", engine=dict(engine or ENGINE),
+        workload=Workload(),
+        perturbations=(PerturbationSpec("strip_swa_mapping"),) if perturbed else (),
+        expect=expect, path="s.yaml",
+    )
+
+
+def ev(kind: str, step: int, **fields: object) -> dict:
+    return {"seq": 0, "step": step, "kind": kind, "ts": 0.0, **fields}
+
+
+def start(**config: object) -> dict:
+    return ev("engine_start", 0, config={**ENGINE, **config})
+
+
+def landed(step: int) -> dict:
+    return ev("perturbation_landed", step, index=0, perturbation="strip_swa_mapping", site="free_swa",
+              rid="r0", before={}, after={})
+
+
+def inv(name: str, step: int, bucket: str) -> dict:
+    return ev("invariant_firing", step, invariant=name, bucket=bucket, level="STRICT", site="x",
+              msg="m", new_hits=1, total_hits=1, crashed=False, slots=[])
+
+
+def canary(reason: str, step: int) -> dict:
+    return ev("canary_violation", step, reason=reason, group="SWA", phase="TAIL", slot=5)
+
+
+def crash(step: int, cause: str = "invariant") -> dict:
+    return ev("crash", step, cause=cause, error="boom", exit_code=3, detail={})
+
+
+def shutdown(step: int) -> dict:
+    return ev("shutdown", step)
+
+
+def obs(events: list[dict], exit_code: int | None = 0, **kw: object) -> Observation:
+    return Observation(events=events, responses=kw.pop("responses", []), exit_code=exit_code,
+                       timed_out=bool(kw.pop("timed_out", False)),
+                       oracle_mismatches=list(kw.pop("oracle_mismatches", [])), **kw)
+
+
+FIRES = Expect(fires=("swa.peer_mapped",), within_steps=2, silent=("swa.peer_released",))
+FIRES_CRASH = replace(FIRES, engine="crashes")
+CLEAN = Expect(clean=True)
+DISABLED = Expect(disabled=Disabled({"invariant_check": "off"}, "peer released first"),
+                  detected_by=("kv_canary.verify_chain_hash",))
+OFF = {**ENGINE, "invariant_check": "off"}
+
+CASES = [
+    ("detected", FIRES_CRASH, True,
+     [start(), landed(5), inv("swa.peer_mapped", 6, "FATAL_UNCONTAINABLE"), crash(6)], 3,
+     "DETECTED", True),
+    ("late", FIRES,
+     True, [start(), landed(5), inv("swa.peer_mapped", 9, "FATAL_UNCONTAINABLE"), shutdown(12)], 0,
+     "LATE", False),
+    ("missed", FIRES, True, [start(), landed(5), shutdown(12)], 0, "MISSED", False),
+    ("wrong-via-silent", FIRES, True,
+     [start(), landed(5), inv("swa.peer_mapped", 6, "FATAL_UNCONTAINABLE"),
+      inv("swa.peer_released", 6, "GUARD"), shutdown(9)], 0, "WRONG_DETECTOR", False),
+    ("wrong-via-other", FIRES, True,
+     [start(), landed(5), inv("idle.swa_ledger", 8, "GUARD"), shutdown(9)], 0,
+     "WRONG_DETECTOR", False),
+    ("wrong-bucket", FIRES, True,
+     [start(), landed(5), inv("swa.peer_mapped", 6, "GUARD"), shutdown(9)], 0,
+     "WRONG_DETECTOR", False),
+    ("false-alarm-clean", CLEAN, False, [start(), canary("verify_position", 3), shutdown(9)], 0,
+     "FALSE_ALARM", False),
+    ("false-alarm-before-landing", FIRES, True,
+     [start(), inv("swa.peer_mapped", 2, "FATAL_UNCONTAINABLE"), landed(5), shutdown(9)], 0,
+     "FALSE_ALARM", False),
+    ("clean", CLEAN, False, [start(), shutdown(9)], 0, "CLEAN", True),
+    ("not-injected", FIRES, True, [start(), shutdown(9)], 0, "NOT_INJECTED", False),
+    ("killed", FIRES, True, [start(), landed(5)], -9, "INCONCLUSIVE", False),
+    ("crash-error", FIRES, True, [start(), landed(5), crash(6, "error")], 1, "INCONCLUSIVE", False),
+    ("engine-mismatch", FIRES_CRASH, True,
+     [start(), landed(5), inv("swa.peer_mapped", 5, "FATAL_UNCONTAINABLE"), shutdown(9)], 0,
+     "INCONCLUSIVE", False),
+    ("disabled", DISABLED, True,
+     [start(invariant_check="off"), landed(5), canary("verify_chain_hash", 7), shutdown(9)], 0,
+     "DISABLED_AS_DECLARED", True),
+    ("disabled-missed", DISABLED, True,
+     [start(invariant_check="off"), landed(5), shutdown(9)], 0, "MISSED", False),
+    ("disabled-not-in-force", DISABLED, True,
+     [start(), landed(5), canary("verify_chain_hash", 7), shutdown(9)], 0, "INCONCLUSIVE", False),
+    ("negative-missed", replace(FIRES, verdict="MISSED"), True,
+     [start(), landed(5), shutdown(9)], 0, "MISSED", True),
+    ("negative-unexpected", replace(FIRES, verdict="MISSED"), True,
+     [start(), landed(5), inv("swa.peer_mapped", 6, "FATAL_UNCONTAINABLE"), shutdown(9)], 0,
+     "DETECTED", False),
+]
+
+
+@pytest.mark.parametrize(("expect", "perturbed", "events", "exit_code", "verdict", "passed"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_judge_synthetic_run_gives_expected_verdict(
+    expect: Expect, perturbed: bool, events: list[dict], exit_code: int, verdict: str, passed: bool
+) -> None:
+    engine = OFF if expect.disabled else ENGINE
+    record = judge(scenario(expect, perturbed=perturbed, engine=engine), obs(events, exit_code))
+    assert (record.verdict, record.passed) == (verdict, passed), record.reason
+    assert record.verdict in VERDICTS and record.reason
+
+
+def test_judge_cases_cover_every_verdict() -> None:
+    assert {c[5] for c in CASES} == set(VERDICTS)
+    assert PASSING == {"DETECTED", "DISABLED_AS_DECLARED", "CLEAN"}
+
+
+def test_judge_detected_record_has_latency_signature_and_ledgers() -> None:
+    ledgers = {"full": {"available": 10, "evictable": 0, "protected": 0, "total": 10, "delta": 0}}
+    events = [start(), landed(5), inv("swa.peer_mapped", 7, "FATAL_UNCONTAINABLE"),
+              ev("idle_check", 8, ledgers=ledgers, radix_problems=[], drops=0, balanced=True),
+              crash(8)]
+    record = judge(scenario(FIRES_CRASH), obs(events, 3))
+    assert record.verdict == "DETECTED"
+    assert record.latency["swa.peer_mapped"] == 2
+    assert record.signature == "DETECTED|swa.peer_mapped|strip_swa_mapping"
+    assert record.firings[0]["detector"] == "swa.peer_mapped" and record.firings[0]["latency"] == 2
+    assert record.landed == [{k: v for k, v in landed(5).items() if k != "ts"}]
+    assert record.ledgers == ledgers and record.engine_outcome == "crashed"
+    assert json.loads(json.dumps(record.to_dict()))["verdict"] == "DETECTED"
+
+
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [({"responses": [{"rid": "r1", "status": 500}]}, "r1"),
+     ({"oracle_mismatches": ["r2"]}, "no-cache oracle"),
+     ({"timed_out": True}, "timed out"),
+     ({"error": "driver blew up"}, "driver blew up")],
+)
+def test_judge_clean_run_with_bad_output_is_inconclusive(kw: dict, fragment: str) -> None:
+    record = judge(scenario(CLEAN, perturbed=False), obs([start(), shutdown(9)], 0, **kw))
+    assert record.verdict == "INCONCLUSIVE" and fragment in record.reason
+    assert record.signature == "INCONCLUSIVE||control"
+
+
+def test_judge_killed_engine_reason_names_exit_code() -> None:
+    record = judge(scenario(FIRES), obs([start(), landed(5)], -9))
+    assert record.verdict == "INCONCLUSIVE" and "-9" in record.reason
+
+
+def record(name: str, verdict: str, passed: bool) -> VerdictRecord:
+    return VerdictRecord(scenario=name, verdict=verdict, passed=passed, reason=f"because {name}",
+                         signature=f"{verdict}||control", landed=[], firings=[], latency={},
+                         engine_outcome="survived", ledgers=None, seed=1, engine={}, expect={})
+
+
+def test_write_junit_parses_with_right_counts(tmp_path: Path) -> None:
+    records = [record("a", "DETECTED", True), record("b", "MISSED", False),
+               record("c", "INCONCLUSIVE", False), record("d", "CLEAN", True)]
+    path = tmp_path / "out" / "junit.xml"
+    write_junit(records, path, durations={"a": 1.5})
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuite" and root.get("name") == "serving-canary"
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("4", "1", "1")
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert set(cases) == {"a", "b", "c", "d"} and cases["a"].get("time") == "1.500"
+    assert all(c.get("classname") == "canary" for c in cases.values())
+    assert cases["b"].find("failure").get("message") == "MISSED: because b"
+    assert cases["c"].find("error") is not None and cases["a"].find("failure") is None
+    props = {p.get("name"): p.get("value") for p in cases["b"].iter("property")}
+    assert props == {"verdict": "MISSED", "signature": "MISSED||control", "seed": "1"}
+    assert [p.name for p in path.parent.iterdir()] == ["junit.xml"]  # no temp file left
+
+
+def test_append_verdict_keeps_earlier_lines(tmp_path: Path) -> None:
+    path = tmp_path / "verdicts.jsonl"
+    append_verdict(path, record("a", "DETECTED", True))
+    first = path.read_bytes()
+    append_verdict(path, record("b", "MISSED", False).to_dict())
+    assert path.read_bytes().startswith(first)
+    assert [r["scenario"] for r in read_verdicts(path)] == ["a", "b"]
+
+
+def test_read_verdicts_skips_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "verdicts.jsonl"
+    append_verdict(path, record("a", "DETECTED", True))
+    with open(path, "a") as f:
+        f.write('{"scenario": "b", "verd')
+    assert [r["scenario"] for r in read_verdicts(path)] == ["a"]
+    append_verdict(path, record("c", "CLEAN", True))
+    assert [r["scenario"] for r in read_verdicts(path)] == ["a", "c"]
+    assert read_verdicts(tmp_path / "missing.jsonl") == []
