@@ -7,6 +7,7 @@ a free port; either way it prints one line `engine_stub ready on http://HOST:POR
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 
@@ -60,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     app = create_app(engine)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found; with
+    # Python's defaults that kills the process (-15) after a clean shutdown. This handler asks
+    # for the same drain instead, also for a signal that lands before uvicorn installs its own.
+    def request_exit(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_exit)
+    # Listen now, so a client that connects as soon as it reads the ready line waits in the
+    # backlog instead of being refused before uvicorn's startup.
+    sock.listen(2048)
     print(f"engine_stub ready on http://{config.host}:{port}", flush=True)
     server.run(sockets=[sock])
     return 0

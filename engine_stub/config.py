@@ -91,6 +91,17 @@ class EngineConfig:
             where = self.sources.get(name, "default")
             return ConfigError(f"{name}={getattr(self, name)!r} (from {where}): {why}")
 
+        def rank(name: str) -> int:
+            where = self.sources.get(name)
+            if where is None:
+                return 0
+            return 1 if where.startswith(ENV_PREFIX) else 2 if where.startswith("--") else 3
+
+        def culprit(*names: str) -> str:
+            # A constraint between knobs blames the one set by the strongest source (the one the
+            # user most likely just changed), not a default it happens to clash with.
+            return max(names, key=rank)
+
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise bad(name, f"must be one of {'|'.join(choices)}")
@@ -101,21 +112,39 @@ class EngineConfig:
                 raise bad(name, "must be >= 1")
         for name in ("full_pool_tokens", "swa_pool_tokens"):
             if getattr(self, name) % self.page_size:
-                raise bad(name, f"must be a multiple of page_size={self.page_size}")
+                raise bad(culprit(name, "page_size"),
+                          f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}")
+        if self.swa_pool_tokens <= self.window + 2 * self.page_size:
+            # Every request holds up to one window plus two pages of SWA slots between evictions.
+            raise bad(culprit("swa_pool_tokens", "window", "page_size"),
+                      f"swa_pool_tokens={self.swa_pool_tokens} must exceed window + 2 * page_size = "
+                      f"{self.window + 2 * self.page_size}")
         if self.swa_pool_tokens > self.full_pool_tokens:
-            raise bad("swa_pool_tokens", f"must not exceed full_pool_tokens={self.full_pool_tokens}")
+            raise bad(culprit("swa_pool_tokens", "full_pool_tokens"),
+                      f"swa_pool_tokens={self.swa_pool_tokens} must not exceed "
+                      f"full_pool_tokens={self.full_pool_tokens}")
         if not self.layer_pattern or set(self.layer_pattern) - {"F", "S"}:
             raise bad("layer_pattern", "must be a non-empty string of F (full) and S (sliding window)")
         if self.hidden_size % self.num_heads:
-            raise bad("hidden_size", f"must be divisible by num_heads={self.num_heads}")
+            raise bad(culprit("hidden_size", "num_heads"),
+                      f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise bad(culprit("hidden_size", "num_heads"),
+                      f"hidden_size / num_heads = {self.hidden_size}/{self.num_heads} must be even "
+                      "(rotary positions)")
         if not 0 <= self.port <= 65535:
             raise bad("port", "must be in 0..65535")
         if self.kv_canary_sweep_interval < 0:
             raise bad("kv_canary_sweep_interval", "must be >= 0")
-        if self.gate_requests < 0 or self.gate_concurrency < 0 or self.gate_timeout_s <= 0:
-            raise bad("gate_requests", "gate_requests/gate_concurrency must be >= 0, gate_timeout_s > 0")
+        for name in ("gate_requests", "gate_concurrency"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
+        if not self.gate_timeout_s > 0:  # also rejects NaN
+            raise bad("gate_timeout_s", "must be > 0")
         if self.max_context_len > self.full_pool_tokens:
-            raise bad("max_context_len", f"must fit in full_pool_tokens={self.full_pool_tokens}")
+            raise bad(culprit("max_context_len", "full_pool_tokens"),
+                      f"max_context_len={self.max_context_len} must fit in "
+                      f"full_pool_tokens={self.full_pool_tokens}")
 
     @property
     def head_dim(self) -> int:

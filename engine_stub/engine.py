@@ -33,7 +33,7 @@ from engine_stub.invariants import (
     set_default_level,
     set_firing_sink,
 )
-from engine_stub.req import Req
+from engine_stub.req import Req, RequestRejected
 from engine_stub.scheduler import CanaryRaised, Scheduler
 
 __all__ = ["Engine", "EXIT_CODES"]
@@ -60,6 +60,10 @@ class Engine:
         self.exit_on_crash = exit_on_crash
         self.events = EventLog(config.event_log or default_event_log_path())
         torch.manual_seed(config.seed)
+        if config.resolved_device() == "cpu":
+            # The model is tiny: intra-op threads only add OpenMP hand-offs, and on a loaded
+            # 2-core runner their spin-waits made each step 10-20x slower.
+            torch.set_num_threads(1)
         reset_counters()
         set_default_level(InvariantCheckLevel.parse(config.invariant_check, source="invariant_check"))
         set_firing_sink(self._on_firing)
@@ -94,6 +98,9 @@ class Engine:
         with self._cond:
             if self.crash is not None:
                 raise RuntimeError(f"engine crashed: {self.crash['error']}")
+            if rid is not None and rid in self._pending:
+                # Two live requests with one rid would share the canary's token oracle.
+                raise RequestRejected(f"rid {rid!r} is already in flight", param="rid")
             self.received += 1
             rid = rid or f"req-{self.received:06d}"
             gen = None
@@ -152,6 +159,7 @@ class Engine:
 
     def _loop(self) -> None:
         idle_due = True
+        idle_deadline: float | None = None  # gated: how long the idle tick may wait for the driver
         try:
             while True:
                 with self._cond:
@@ -162,11 +170,15 @@ class Engine:
                         if not idle_due:
                             self._cond.wait(0.05)
                             continue
+                        if self._gate_defers_idle(idle_deadline := idle_deadline or self._gate_deadline()):
+                            self._cond.wait(0.01)
+                            continue
                 if self.scheduler.has_work:
                     self._wait_for_gate()
                     with self.step_lock:
                         self.scheduler.step()
                     idle_due = True
+                    idle_deadline = None
                 elif idle_due:
                     with self.step_lock:
                         result = self.scheduler.idle_tick()
@@ -182,6 +194,23 @@ class Engine:
         for req in self._inbox:
             self.scheduler.add_request(req)
         self._inbox.clear()
+
+    def _gate_deadline(self) -> float:
+        return time.monotonic() + self.config.gate_timeout_s
+
+    def _gate_defers_idle(self, deadline: float) -> bool:
+        """Gated and the driver still owes requests: hold the idle tick (up to the gate timeout).
+
+        Between two waves the engine can run dry before the driver's next requests arrive; an
+        idle tick there (an `idle_check` event) would make the trace depend on HTTP timing.
+        """
+        cfg = self.config
+        if cfg.gate_requests <= 0 or self.completed >= cfg.gate_requests:
+            return False
+        if time.monotonic() < deadline:
+            return True
+        self.events.write("gate_timeout", received=self.received, completed=self.completed)
+        return False
 
     def _wait_for_gate(self) -> None:
         """Lockstep gate: hold the step until the driver's next requests have arrived.

@@ -16,8 +16,9 @@ from typing import Any
 
 __all__ = ["EventLog", "read_events", "trace_of"]
 
-# Fields that differ between two runs of the same seed and scenario.
-NONDETERMINISTIC_FIELDS = frozenset({"ts", "pid", "path", "port", "wall_s", "host"})
+# Fields that differ between two runs of the same seed and scenario (paths name the run dir).
+NONDETERMINISTIC_FIELDS = frozenset({"ts", "pid", "path", "port", "wall_s", "host", "config_sources"})
+NONDETERMINISTIC_CONFIG_KEYS = frozenset({"event_log", "port", "host"})
 
 
 class EventLog:
@@ -65,4 +66,10 @@ def read_events(path: str | os.PathLike) -> list[dict]:
 
 def trace_of(events: list[dict]) -> list[dict]:
     """Events without the fields that legitimately differ between identical runs."""
-    return [{k: v for k, v in e.items() if k not in NONDETERMINISTIC_FIELDS} for e in events]
+    trace = []
+    for event in events:
+        kept = {k: v for k, v in event.items() if k not in NONDETERMINISTIC_FIELDS}
+        if isinstance(kept.get("config"), dict):
+            kept["config"] = {k: v for k, v in kept["config"].items() if k not in NONDETERMINISTIC_CONFIG_KEYS}
+        trace.append(kept)
+    return trace

@@ -12,7 +12,14 @@ __all__ = ["Req", "RequestRejected"]
 
 
 class RequestRejected(ValueError):
-    """The request can never be served with this engine config (the reason says why)."""
+    """The request can never be served with this engine config (the reason says why).
+
+    `param` names the request field at fault (for the HTTP error body).
+    """
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine_stub.engine import Engine
 from engine_stub.model import VOCAB_SIZE, decode_text, encode_text
@@ -25,12 +25,13 @@ __all__ = ["create_app"]
 MAX_NEW_TOKENS_LIMIT = 4096
 REQUEST_TIMEOUT_S = 600.0
 
-TokenId = Annotated[int, Field(ge=0, lt=VOCAB_SIZE)]
+# Strict: JSON true or 1.0 is not a token id (lax mode would take them as 1).
+TokenId = Annotated[int, Field(ge=0, lt=VOCAB_SIZE, strict=True)]
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT, strict=True)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
 
 
@@ -43,12 +44,17 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     rid: str | None = Field(None, min_length=1, max_length=128)
 
+    @field_validator("text", "input_ids")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if value is not None and not value:
+            raise ValueError("the prompt is empty")
+        return value
+
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' and 'input_ids'")
-        if not (self.text or self.input_ids):
-            raise ValueError("the prompt is empty")
         return self
 
 
@@ -58,18 +64,24 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = "engine-stub"
     prompt: str | list[TokenId]
-    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT, strict=True)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
 
-    @model_validator(mode="after")
-    def _checks(self) -> CompletionRequest:
-        if not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if not value:
             raise ValueError("the prompt is empty")
-        if self.stream:
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool) -> bool:
+        if value:
             raise ValueError("stream=true is not supported")
-        return self
+        return value
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -89,9 +101,13 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        reason = first.get("msg", "invalid request")
+        # The most specific error first: for a union (a prompt of text or ids) that is the branch
+        # that got furthest, e.g. `prompt.0` out of range rather than `prompt` not a string.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        # Drop "body" and pydantic's union-branch labels ("str", "list[...]") from the location.
+        loc = ".".join(str(part) for part in first.get("loc", ())
+                       if part not in ("body", "str") and not str(part).startswith("list["))
+        reason = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             reason, loc = "malformed JSON body", None
         return _error(400, f"{loc}: {reason}" if loc else reason, loc or None)
@@ -106,7 +122,7 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             engine.submit(input_ids, max_new_tokens, temperature=temperature, rid=rid, on_finish=on_finish)
         except RequestRejected as exc:
-            return _error(400, str(exc), "prompt")
+            return _error(400, str(exc), exc.param)
         except RuntimeError as exc:
             return _error(503, str(exc))
         try:

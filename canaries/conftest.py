@@ -1,0 +1,50 @@
+"""Fixtures of the canary suite's own tests: run directories and scenario files in tmp_path."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def engines_under(path: Path) -> list[int]:
+    """Pids of engine processes whose command line names `path` (a test's own engines only)."""
+    out = subprocess.run(["pgrep", "-f", f"engine_stub --scenario {path}"], capture_output=True,
+                         text=True, check=False)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.fixture
+def assert_no_engine_left():
+    """Call with a run dir: fails if an engine launched under it is still alive after 5 s."""
+
+    def check(path: Path) -> None:
+        deadline = time.monotonic() + 5
+        while engines_under(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engines_under(path) == [], f"engine processes survived the run under {path}"
+
+    return check
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A fresh directory for one scenario run."""
+    path = tmp_path / "run"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def write_scenario(tmp_path: Path):
+    """Write a scenario mapping as YAML under tmp_path and return its path."""
+
+    def write(doc: dict, name: str | None = None) -> Path:
+        path = tmp_path / f"{name or doc['name']}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+        return path
+
+    return write

@@ -1,0 +1,350 @@
+"""Run scenarios end to end: spec, engine, workload, idle check, stop, oracle, verdict.
+
+`run_scenario` runs one scenario into a run directory (spec.json, engine.log, events.jsonl,
+responses.jsonl, verdict.json) and returns its `VerdictRecord`. `run_many` runs a list of them
+with a pool of `jobs` workers, appends each verdict to `<report>/verdicts.jsonl` as it completes,
+and writes `junit.xml` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from canaries.driver import drive as drive_workload
+from canaries.driver import make_prompts
+
+__all__ = ["run_scenario", "run_many", "new_run_id", "default_report_dir", "cancel_all",
+           "repo_root", "spec_for"]
+
+READY_TIMEOUT_S = 30.0
+IDLE_WAIT_S = 5.0
+STOP_TIMEOUT_S = 10.0
+MIN_DRIVE_DEADLINE_S = 60.0
+
+_CANCEL = threading.Event()
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def new_run_id() -> str:
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def default_report_dir(run_id: str | None = None) -> Path:
+    """`reports/<run-id>/` at the repo root when running from a checkout, else under the cwd."""
+    root = repo_root()
+    base = root if (root / "pyproject.toml").exists() and os.access(root, os.W_OK) else Path.cwd()
+    return base / "reports" / (run_id or new_run_id())
+
+
+def cancel_all() -> None:
+    """Ctrl-C: start no new scenario, stop every engine still running."""
+    from canaries.runtime.local import stop_all
+
+    _CANCEL.set()
+    stop_all(timeout=3.0)
+    docker_runtime = sys.modules.get("canaries.runtime.docker")
+    if docker_runtime is not None and hasattr(docker_runtime, "stop_all"):
+        with contextlib.suppress(Exception):
+            docker_runtime.stop_all(timeout=3.0)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def spec_for(scenario: Any, device: str | None = None) -> dict:
+    """The engine's spec: `engine_spec(scenario)` plus the lockstep gate and a device override."""
+    from canaries.scenario import engine_spec
+
+    spec = copy.deepcopy(engine_spec(scenario))
+    engine = spec.setdefault("engine", {})
+    workload = scenario.workload
+    engine["gate_requests"] = int(_get(workload, "requests"))
+    engine["gate_concurrency"] = int(_get(workload, "concurrency"))
+    if device:
+        engine["device"] = device
+    return spec
+
+
+# ---- the output oracle ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _oracle_model(layer_pattern: str, window: int, hidden_size: int, num_heads: int, seed: int):
+    from engine_stub.model import ModelConfig, TinyHybridModel
+
+    return TinyHybridModel(ModelConfig(layer_pattern=layer_pattern, window=window,
+                                       hidden_size=hidden_size, num_heads=num_heads, seed=seed))
+
+
+_ORACLE_LOCK = threading.Lock()
+
+
+def _all_position_argmax(model: Any, tokens: list[int]) -> list[int]:
+    """Greedy next token after every prefix of `tokens`, from one no-cache forward pass.
+
+    The same arithmetic as `TinyHybridModel.reference_logits` (causal and window masks, no
+    cache), kept for every position instead of the last: teacher forcing. An output equals the
+    greedy oracle iff each of its tokens is the argmax after the tokens before it, so one pass
+    replaces `max_new_tokens` recomputations.
+    """
+    import torch
+
+    from engine_stub.model import _attend, _rms_norm
+
+    with torch.inference_mode():
+        n = len(tokens)
+        device = model.device
+        positions = torch.arange(n, device=device)
+        x = model.embed[torch.tensor(tokens, device=device)]
+        key_valid = torch.ones(n, n, dtype=torch.bool, device=device)
+        for layer in range(len(model.layers)):
+            q, k, v = model._qkv(layer, x, positions)
+            keys = k[None].expand(n, *k.shape)
+            values = v[None].expand(n, *v.shape)
+            attn = _attend(q, positions, keys, values, key_valid, model._window_of(layer))
+            x = model._finish_layer(layer, x, attn)
+        return [int(t) for t in (_rms_norm(x) @ model.lm_head).argmax(-1).tolist()]
+
+
+def _reference(model_key: tuple, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """The greedy continuation, recomputed step by step (the engine's own oracle)."""
+    return tuple(_oracle_model(*model_key).reference_generate(list(prompt), max_new_tokens))
+
+
+def oracle_mismatches(config: dict, prompts: list[list[int]], responses: list[dict],
+                      max_new_tokens: int) -> list[dict]:
+    """Greedy responses that differ from the from-scratch reference of the config in force."""
+    key = (str(config["layer_pattern"]), int(config["window"]), int(config.get("hidden_size", 32)),
+           int(config.get("num_heads", 2)), int(config.get("seed", 0)))
+    model = _oracle_model(*key)
+    mismatches = []
+    for prompt, resp in zip(prompts, responses, strict=True):
+        got = resp.get("output_ids")
+        if got is None:
+            continue  # a failed request is the verdict's business, not the oracle's
+        got = list(got)
+        first = None
+        if got:
+            with _ORACLE_LOCK:
+                preds = _all_position_argmax(model, list(prompt) + got[:-1])[len(prompt) - 1:]
+            first = next((i for i, (a, b) in enumerate(zip(got, preds, strict=True)) if a != b),
+                         None)
+        if first is None and len(got) != max_new_tokens:
+            first = min(len(got), max_new_tokens)
+        if first is not None:
+            if len(mismatches) < 3:  # the full reference only for the first few: it is slow
+                with _ORACLE_LOCK:
+                    want = list(_reference(key, tuple(prompt), max_new_tokens))
+            else:
+                want = None
+            mismatches.append({"rid": resp["rid"], "first_diff": first, "expected": want,
+                               "got": got})
+    return mismatches
+
+
+# ---- one scenario ----------------------------------------------------------------------------------
+
+
+def _wait_idle_check(base_url: str, runtime: Any, timeout: float) -> dict | None:
+    """Poll /state until the idle check ran after the last step; the state, or None."""
+    deadline = time.monotonic() + timeout
+    state = None
+    while time.monotonic() < deadline and runtime.running:
+        with contextlib.suppress(requests.RequestException, ValueError):
+            state = requests.get(f"{base_url}/state", timeout=2).json()
+            idle = state.get("last_idle_check") or {}
+            if idle.get("after_step") == state.get("step") and not state.get("running") \
+                    and not state.get("waiting"):
+                return state
+        time.sleep(0.05)
+    return state
+
+
+def _read_events(path: Path) -> list[dict]:
+    from engine_stub.events import read_events
+
+    try:
+        return read_events(path)
+    except OSError:
+        return []
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
+                 device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
+                 drive_deadline_s: float | None = None):
+    """Run one scenario into `run_dir`; its VerdictRecord (never raises for an engine failure).
+
+    `on_started(rt)` is called once the engine serves (tests use it to kill the engine).
+    """
+    from canaries.runtime import get_runtime
+    from canaries.verdict import Observation, judge
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    spec = spec_for(scenario, device)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2, default=str) + "\n", encoding="utf-8")
+    workload = scenario.workload
+    seed = int(_get(scenario, "seed", 0) or 0)
+    prompts = make_prompts(workload, seed)
+    responses: list[dict] = []
+    error: str | None = None
+    timed_out = False
+    exit_code: int | None = None
+    rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S)
+    phases: dict[str, float] = {}
+
+    def mark(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - a running clock
+        now = time.monotonic()
+        phases[name] = round(now - since[0], 3)
+        since[0] = now
+
+    try:
+        if _CANCEL.is_set():
+            raise KeyboardInterrupt
+        base_url = rt.start(spec_path, run_dir)
+        mark("start")
+        if on_started is not None:
+            on_started(rt)
+        n = int(_get(workload, "requests"))
+        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * n)
+        responses = drive_workload(base_url, workload, seed, deadline, prompts=prompts)
+        mark("drive")
+        timed_out = any(r.get("error") and ("Timeout" in r["error"] or "deadline" in r["error"])
+                        for r in responses) and rt.running
+        if rt.running:
+            state = _wait_idle_check(base_url, rt, IDLE_WAIT_S)
+            if state is not None:
+                _write_jsonl(run_dir / "state.json", [state])
+            mark("idle_wait")
+    except RuntimeError as exc:  # the engine never became ready
+        error = str(exc)
+        timed_out = "not ready within" in error
+    finally:
+        exit_code = rt.stop(timeout=STOP_TIMEOUT_S)
+        mark("stop")
+    events = _read_events(run_dir / "events.jsonl")
+    mismatches: list[dict] = []
+    expect = _get(scenario, "expect")
+    temperature = float(_get(workload, "temperature", 0.0) or 0.0)
+    if _get(expect, "clean", False) and temperature == 0 and responses:
+        start_ev = next((e for e in events if e.get("kind") == "engine_start"), None)
+        config = (start_ev or {}).get("config") or spec.get("engine", {})
+        try:
+            mismatches = oracle_mismatches(config, prompts, responses,
+                                           int(_get(workload, "max_new_tokens")))
+        except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
+            error = error or f"the output oracle failed: {type(exc).__name__}: {exc}"
+    _write_jsonl(run_dir / "responses.jsonl",
+                 [{**r, "prompt": p} for r, p in zip(responses, prompts, strict=False)])
+    mark("oracle")
+    if mismatches:
+        _write_jsonl(run_dir / "oracle_mismatches.jsonl", mismatches)
+    obs = Observation(events=events, responses=responses, exit_code=exit_code,
+                      timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
+                      error=error)
+    record = judge(scenario, obs)
+    duration = round(time.monotonic() - started, 3)
+    extra = getattr(record, "extra", None)
+    if isinstance(extra, dict):
+        extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
+                      "exit_code": exit_code, "phases_s": phases,
+                      "repro": f"canary run {_get(scenario, 'path', '')} --runtime {runtime}"
+                               + (f" --device {device}" if device else "")})
+    with contextlib.suppress(Exception):
+        (run_dir / "verdict.json").write_text(json.dumps(_record_dict(record, duration, run_dir),
+                                                         indent=2, default=str) + "\n")
+    return record
+
+
+def _record_dict(record: Any, duration: float, run_dir: Path) -> dict:
+    return dict(record.to_dict())
+
+
+# ---- many scenarios ----------------------------------------------------------------------------
+
+
+def _print_progress(k: int, n: int, name: str, record: Any, duration: float,
+                    stream=None) -> None:
+    stream = stream or sys.stdout
+    reason = (getattr(record, "reason", "") or "").replace("\n", " ")
+    if len(reason) > 120:
+        reason = reason[:117] + "..."
+    width = len(str(n))
+    print(f"[{k:>{width}}/{n}] {name} {record.verdict} ({duration:.1f}s) {reason}",
+          file=stream, flush=True)
+
+
+def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
+             runtime: str = "local", device: str | None = None, progress: bool = True) -> list:
+    """Run every scenario; verdicts.jsonl grows as they finish; junit.xml at the end."""
+    from canaries.report import append_verdict, write_junit
+
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    verdicts_path = report_dir / "verdicts.jsonl"
+    lock = threading.Lock()
+    records: dict[int, Any] = {}
+    durations: dict[str, float] = {}
+    n = len(scenarios)
+    done = 0
+
+    def one(i: int, sc: Any):
+        t0 = time.monotonic()
+        record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device)
+        return i, record, time.monotonic() - t0
+
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="canary-run")
+    try:
+        futures = [pool.submit(one, i, sc) for i, sc in enumerate(scenarios)]
+        for fut in as_completed(futures):
+            i, record, dt = fut.result()
+            with lock:
+                records[i] = record
+                durations[scenarios[i].name] = round(dt, 3)
+                append_verdict(verdicts_path, record)
+                done += 1
+                if progress:
+                    _print_progress(done, n, scenarios[i].name, record, dt)
+    except BaseException:
+        cancel_all()
+        pool.shutdown(wait=True, cancel_futures=True)
+        _finish(report_dir, [records[i] for i in sorted(records)], durations, write_junit)
+        raise
+    pool.shutdown(wait=True)
+    ordered = [records[i] for i in sorted(records)]
+    _finish(report_dir, ordered, durations, write_junit)
+    return ordered
+
+
+def _finish(report_dir: Path, records: list, durations: dict, write_junit) -> None:
+    with contextlib.suppress(Exception):
+        write_junit(records, report_dir / "junit.xml", durations=durations)

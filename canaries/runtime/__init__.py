@@ -1,0 +1,23 @@
+"""Runtimes: where an engine under test runs (a local subprocess now, a container later)."""
+
+from __future__ import annotations
+
+from canaries.runtime.local import LocalRuntime
+
+__all__ = ["LocalRuntime", "RUNTIMES", "get_runtime"]
+
+RUNTIMES = ("local", "docker")
+
+
+def get_runtime(name: str, **kwargs):
+    """A new runtime instance by name; raises ValueError naming the valid runtimes."""
+    if name == "local":
+        return LocalRuntime(**kwargs)
+    if name == "docker":
+        try:
+            from canaries.runtime.docker import DockerRuntime  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise ValueError(f"runtime 'docker' is not available here ({exc}); "
+                             f"valid runtimes: {', '.join(RUNTIMES)}") from None
+        return DockerRuntime(**kwargs)
+    raise ValueError(f"unknown runtime {name!r}; valid runtimes: {', '.join(RUNTIMES)}")

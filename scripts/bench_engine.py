@@ -1,0 +1,183 @@
+"""Engine benchmark: cold start against a bare `import torch`, and what the checks cost in decode.
+
+    python scripts/bench_engine.py [--starts N] [--reps R] [--requests B] [--new-tokens T]
+
+(a) Cold start: wall time of `python -c "import torch"` against `python -m engine_stub --port 0`
+    until it prints its `engine_stub ready on http://...` line (each in a fresh process; the
+    server is then stopped with SIGTERM), N of each, interleaved; medians and their difference.
+(b) Decode throughput of the in-process scheduler, driven by `scheduler.step()` on a fixed
+    workload (B requests x T new tokens, prefilled together; only decode steps are timed), with
+    invariant_check off and strict (kv_canary off), and kv_canary off and log (invariant_check
+    off). The variants run in a rotating order within each repetition, so that drift lands on all
+    of them alike; figures are medians; ratios are variant / baseline throughput.
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_PREFIX = "engine_stub ready on http://"
+PROMPT_TOKENS = 32
+DECODE_VARIANTS = {
+    "off": {"invariant_check": "off", "kv_canary": "off"},
+    "strict": {"invariant_check": "strict", "kv_canary": "off"},
+    "canary_log": {"invariant_check": "off", "kv_canary": "log"},
+}
+
+
+# ---- (a) cold start ------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _time_import_torch() -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, env=_env(), cwd=REPO_ROOT)
+    return time.perf_counter() - start
+
+
+def _time_engine_ready(workdir: Path, index: int) -> float:
+    cmd = [sys.executable, "-m", "engine_stub", "--port", "0", "--device", "cpu",
+           "--event-log", str(workdir / f"cold-{index}.events.jsonl")]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env(), cwd=REPO_ROOT, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(READY_PREFIX):
+                elapsed = time.perf_counter() - start
+                break
+        else:
+            raise RuntimeError(f"engine exited with {proc.wait()} before its ready line")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        return elapsed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def bench_cold_start(starts: int, workdir: Path) -> dict[str, float]:
+    torch_s, engine_s = [], []
+    for i in range(starts):
+        # Alternate which goes first, so a warming page cache favours neither.
+        if i % 2 == 0:
+            torch_s.append(_time_import_torch())
+            engine_s.append(_time_engine_ready(workdir, i))
+        else:
+            engine_s.append(_time_engine_ready(workdir, i))
+            torch_s.append(_time_import_torch())
+    t, e = statistics.median(torch_s), statistics.median(engine_s)
+    return {"import_torch_s": t, "engine_ready_s": e, "delta_s": e - t}
+
+
+# ---- (b) decode throughput -----------------------------------------------------------------------
+
+
+def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, rep: int) -> float:
+    from engine_stub.config import EngineConfig
+    from engine_stub.engine import Engine
+    from engine_stub.req import Req
+
+    config = EngineConfig(device="cpu", max_running_requests=requests,
+                          event_log=str(workdir / f"decode-{variant}-{rep}.events.jsonl"),
+                          **DECODE_VARIANTS[variant])
+    engine = Engine(config, exit_on_crash=False)
+    try:
+        sched = engine.scheduler
+        rng = random.Random(0)  # the same prompts for every variant
+        for i in range(requests):
+            sched.add_request(Req(f"r{i}", [rng.randrange(256) for _ in range(PROMPT_TOKENS)], new_tokens))
+        sched.step()  # the prefill of all requests, untimed
+        assert sched.stats["prefill_steps"] == 1 and len(sched.running) == requests
+        start = time.perf_counter()
+        while sched.has_work:
+            sched.step()
+        elapsed = time.perf_counter() - start
+        decoded = sched.stats["generated_tokens"] - requests
+        assert sched.stats["decode_steps"] == new_tokens - 1
+        return decoded / elapsed
+    finally:
+        engine.stop(drain_timeout_s=0)
+
+
+def bench_decode(reps: int, requests: int, new_tokens: int, workdir: Path) -> dict[str, list[float]]:
+    names = list(DECODE_VARIANTS)
+    for name in names:  # warm-up: first-call costs land on no variant
+        _decode_tok_s(name, requests, min(new_tokens, 8), workdir, -1)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_decode_tok_s(name, requests, new_tokens, workdir, rep))
+    return samples
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--starts", type=int, default=3, help="cold starts of each kind (default 3)")
+    parser.add_argument("--reps", type=int, default=5, help="decode repetitions per variant (default 5)")
+    parser.add_argument("--requests", type=int, default=4, help="concurrent decode requests (default 4)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench_engine-") as tmp:
+        workdir = Path(tmp)
+        cold = bench_cold_start(args.starts, workdir)
+        samples = bench_decode(args.reps, args.requests, args.new_tokens, workdir)
+    decode = {name: statistics.median(values) for name, values in samples.items()}
+    # Spread of the samples around the median: a ratio closer to 1 than this is noise.
+    spread = {name: (max(values) - min(values)) / decode[name] for name, values in samples.items()}
+
+    strict_ratio = decode["strict"] / decode["off"]
+    canary_ratio = decode["canary_log"] / decode["off"]
+    print(f"engine_stub benchmark ({args.starts} cold starts each; decode: {args.requests} requests x "
+          f"{args.new_tokens} new tokens, median of {args.reps}, CPU)")
+    print()
+    print(f"{'cold start':<34}{'median s':>10}")
+    label = 'python -c "import torch"'
+    print(f"{label:<34}{cold['import_torch_s']:>10.3f}")
+    print(f"{'python -m engine_stub (ready)':<34}{cold['engine_ready_s']:>10.3f}")
+    print(f"{'difference (target <= 1.0 s)':<34}{cold['delta_s']:>10.3f}")
+    print()
+    print(f"{'decode variant':<34}{'tok/s':>10}{'spread':>9}{'ratio':>9}")
+    print(f"{'invariant_check=off, canary=off':<34}{decode['off']:>10.1f}{spread['off']:>9.1%}{1.0:>9.3f}")
+    print(f"{'invariant_check=strict':<34}{decode['strict']:>10.1f}{spread['strict']:>9.1%}"
+          f"{strict_ratio:>9.3f}   (target >= 0.98)")
+    print(f"{'kv_canary=log':<34}{decode['canary_log']:>10.1f}{spread['canary_log']:>9.1%}{canary_ratio:>9.3f}")
+    print(json.dumps({
+        "cold_start": {k: round(v, 4) for k, v in cold.items()},
+        "decode_tok_s": {k: round(v, 2) for k, v in decode.items()},
+        "decode_spread": {k: round(v, 4) for k, v in spread.items()},
+        "ratio_strict_over_off": round(strict_ratio, 4),
+        "ratio_canary_log_over_off": round(canary_ratio, 4),
+        "config": {"starts": args.starts, "reps": args.reps, "requests": args.requests,
+                   "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS},
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The tiny hybrid model: the pooled forward against the no-cache oracle, and the SWA masks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_stub.config import EngineConfig
+from engine_stub.events import EventLog
+from engine_stub.mem.kv_pool import HybridKVPool
+from engine_stub.model import (
+    VOCAB_SIZE,
+    ForwardBatch,
+    ModelConfig,
+    TinyHybridModel,
+    decode_text,
+    encode_text,
+)
+from engine_stub.req import Req
+from engine_stub.scheduler import Scheduler
+
+WINDOW = 8
+PATTERN = "SFSS"
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("page_size", "prompt_len", "max_new_tokens"),
+    [
+        (1, 13, 20),  # prompt and generation both longer than the window
+        (4, 13, 20),  # a partial last page, pages recycled by window eviction
+        (4, 3, 12),  # a prompt shorter than the window crossing it while decoding
+    ],
+)
+def test_forward_through_pools_matches_reference_logits(
+    tmp_path: Path, page_size: int, prompt_len: int, max_new_tokens: int
+) -> None:
+    config = EngineConfig(
+        device="cpu", page_size=page_size, window=WINDOW, layer_pattern=PATTERN,
+        full_pool_tokens=256, swa_pool_tokens=64, max_context_len=128, radix_cache=False,
+    )
+    events = EventLog(tmp_path / "events.jsonl")
+    sched = Scheduler(config, events)
+    captured: list[torch.Tensor] = []
+    forward = sched.model.forward
+
+    def capture(*args: object) -> torch.Tensor:
+        logits = forward(*args)
+        captured.append(logits.clone())
+        return logits
+
+    sched.model.forward = capture  # type: ignore[method-assign]
+    prompt = _prompt(page_size * 100 + prompt_len, prompt_len)
+    req = Req("r0", prompt, max_new_tokens)
+    sched.add_request(req)
+    try:
+        while sched.has_work:
+            sched.step()
+    finally:
+        events.close()
+
+    assert len(captured) == max_new_tokens
+    assert sched.stats["swa_evicted_tokens"] > 0, "the window never slid: the SWA path was not exercised"
+    for i, logits in enumerate(captured):
+        expected = sched.model.reference_logits(prompt + req.output_ids[:i])
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-9)
+    assert req.output_ids == sched.model.reference_generate(prompt, max_new_tokens)
+
+
+def _pooled_decode_setup(prompt_len: int) -> tuple[TinyHybridModel, HybridKVPool, torch.Tensor, list[int]]:
+    """Prefill `prompt_len` tokens into slots 1.. of fresh pools with an identity SWA mapping."""
+    model = TinyHybridModel(ModelConfig(PATTERN, WINDOW, seed=3))
+    rows = prompt_len + 4
+    pool = HybridKVPool(
+        layer_pattern=PATTERN, full_size=rows, swa_size=rows, page_size=1, num_heads=2, head_dim=16,
+        full_to_swa_index_mapping=torch.arange(rows + 1),
+    )
+    table = torch.zeros(1, 64, dtype=torch.int32)
+    table[0, : prompt_len + 1] = torch.arange(1, prompt_len + 2, dtype=torch.int32)
+    prompt = _prompt(11, prompt_len)
+    prefill = ForwardBatch([0], [0], [prompt_len], torch.tensor(prompt), torch.arange(prompt_len),
+                           torch.arange(1, prompt_len + 1))
+    model.forward(prefill, pool, table)
+    return model, pool, table, prompt
+
+
+def _decode_logits(model: TinyHybridModel, pool: HybridKVPool, table: torch.Tensor, n: int) -> torch.Tensor:
+    """Logits of one decode step at position n (its KV goes to slot n + 1; rerunning is idempotent)."""
+    batch = ForwardBatch([0], [n], [n + 1], torch.tensor([7]), torch.tensor([n]), torch.tensor([n + 1]))
+    return model.forward(batch, pool, table)
+
+
+@pytest.mark.parametrize(
+    ("layer_kind", "offset_from_query", "changes"),
+    [
+        ("S", WINDOW, False),  # position q - window: just out of the window, masked
+        ("S", WINDOW + 5, False),  # far out of the window
+        ("S", WINDOW - 1, True),  # the oldest position inside the window
+        ("S", 1, True),
+        ("F", WINDOW + 5, True),  # a full layer sees every earlier position
+    ],
+)
+def test_perturbed_key_changes_logits_only_inside_window(
+    layer_kind: str, offset_from_query: int, changes: bool
+) -> None:
+    prompt_len = 20
+    model, pool, table, _ = _pooled_decode_setup(prompt_len)
+    base = _decode_logits(model, pool, table, prompt_len)
+    layer = PATTERN.index(layer_kind)
+    position = prompt_len - offset_from_query
+    slot = position + 1
+    pool.k_buffer[layer][slot] += 3.0
+    after = _decode_logits(model, pool, table, prompt_len)
+    assert torch.equal(base, after) is not changes
+
+
+def test_reference_ignores_tokens_beyond_window_only_in_swa_layers() -> None:
+    # With only SWA layers, the receptive field of the last token is bounded by
+    # layers x (window - 1) positions: a change further back cannot reach the logits.
+    model = TinyHybridModel(ModelConfig("SS", WINDOW, seed=5))
+    tokens = _prompt(5, 40)
+    reach = 2 * (WINDOW - 1)
+    far = list(tokens)
+    far[len(tokens) - 1 - reach - 1] ^= 1
+    near = list(tokens)
+    near[len(tokens) - 1 - reach] ^= 1
+    base = model.reference_logits(tokens)
+    assert torch.equal(model.reference_logits(far), base)
+    assert not torch.equal(model.reference_logits(near), base)
+
+
+def test_weights_depend_only_on_seed() -> None:
+    a = TinyHybridModel(ModelConfig(PATTERN, WINDOW, seed=1))
+    b = TinyHybridModel(ModelConfig(PATTERN, WINDOW, seed=1))
+    c = TinyHybridModel(ModelConfig(PATTERN, WINDOW, seed=2))
+    tokens = _prompt(1, 12)
+    assert torch.equal(a.reference_logits(tokens), b.reference_logits(tokens))
+    assert not torch.equal(a.reference_logits(tokens), c.reference_logits(tokens))
+
+
+@pytest.mark.parametrize("text", ["hello", "héllo wörld", "", "\x00\xff"])
+def test_encode_then_decode_round_trips(text: str) -> None:
+    ids = encode_text(text)
+    assert all(0 <= t < VOCAB_SIZE for t in ids)
+    assert decode_text(ids) == text
+
+
+@pytest.mark.parametrize(
+    ("hidden_size", "num_heads", "message"),
+    [(30, 4, "not divisible"), (6, 2, "even")],
+)
+def test_model_config_rejects_bad_shapes(hidden_size: int, num_heads: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(PATTERN, WINDOW, hidden_size=hidden_size, num_heads=num_heads)
