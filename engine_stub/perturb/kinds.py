@@ -122,8 +122,8 @@ def _first_in_window_slot(ctx: KindContext, req: Req) -> tuple[int, int] | None:
 
 @register_kind("corrupt_req_to_token", Site.BEFORE_STEP)
 def corrupt_req_to_token(ctx: KindContext) -> Landing | None:
-    """Point a req_to_token entry at another live slot, a freed slot, or 0 (target.value).
-    Caught by the KV canary (verify_chain_hash/verify_position); with invariants on, by swa.peer_mapped when both owners free the slot."""
+    """Point a req_to_token entry at another live slot, a freed slot, 0 or -1 (target.value).
+    KV canary (verify_chain_hash/verify_position); swa.peer_mapped when both owners free the slot; -1: alloc.out_of_pool at its free."""
     sched, value = ctx.sched, ctx.spec.target.value
     running = _running(ctx)
     for req in _pick_requests(ctx, running):
@@ -134,6 +134,8 @@ def corrupt_req_to_token(ctx: KindContext) -> Landing | None:
         old = int(sched.req_to_token_pool.req_to_token[req.row, pos])
         if value == "zero":
             new = 0
+        elif value == "minus_one":
+            new = -1
         elif value == "freed_slot":
             sched.allocator.full_attn_allocator.merge_and_sort_free()
             free = sched.allocator.full_attn_allocator.free_pages

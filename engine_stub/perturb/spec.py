@@ -16,7 +16,7 @@ __all__ = ["PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec", "TRIGGE
 TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit")
 POSITION_WORDS = ("in_window", "out_of_window", "last")
 REQUEST_WORDS = ("random", "all", "cached")
-VALUE_WORDS = ("other_live_slot", "freed_slot", "zero")
+VALUE_WORDS = ("other_live_slot", "freed_slot", "zero", "minus_one")
 GROUP_WORDS = ("full", "swa")
 
 
@@ -55,7 +55,8 @@ class TargetSpec:
     request: an index into the running requests in rid order, `random` (seeded), `all`, or
     `cached` (a slot only the radix cache holds). positions: `in_window` (the oldest position
     still inside the window: the next to slide out), `out_of_window`, `last`, or `[lo, hi)`.
-    group: `full` or `swa`. value: for corrupting kinds, what to write. count: how many entries.
+    group: `full` or `swa`. value: for corrupting kinds, what to write (`minus_one`: the -1 an
+    empty prefix's last_loc carries, written into a row by mistake). count: how many entries.
     """
 
     request: int | str = 0
