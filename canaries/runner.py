@@ -100,33 +100,6 @@ def _oracle_model(layer_pattern: str, window: int, hidden_size: int, num_heads: 
 _ORACLE_LOCK = threading.Lock()
 
 
-def _all_position_argmax(model: Any, tokens: list[int]) -> list[int]:
-    """Greedy next token after every prefix of `tokens`, from one no-cache forward pass.
-
-    The same arithmetic as `TinyHybridModel.reference_logits` (causal and window masks, no
-    cache), kept for every position instead of the last: teacher forcing. An output equals the
-    greedy oracle iff each of its tokens is the argmax after the tokens before it, so one pass
-    replaces `max_new_tokens` recomputations.
-    """
-    import torch
-
-    from engine_stub.model import _attend, _rms_norm
-
-    with torch.inference_mode():
-        n = len(tokens)
-        device = model.device
-        positions = torch.arange(n, device=device)
-        x = model.embed[torch.tensor(tokens, device=device)]
-        key_valid = torch.ones(n, n, dtype=torch.bool, device=device)
-        for layer in range(len(model.layers)):
-            q, k, v = model._qkv(layer, x, positions)
-            keys = k[None].expand(n, *k.shape)
-            values = v[None].expand(n, *v.shape)
-            attn = _attend(q, positions, keys, values, key_valid, model._window_of(layer))
-            x = model._finish_layer(layer, x, attn)
-        return [int(t) for t in (_rms_norm(x) @ model.lm_head).argmax(-1).tolist()]
-
-
 def _reference(model_key: tuple, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     """The greedy continuation, recomputed step by step (the engine's own oracle)."""
     return tuple(_oracle_model(*model_key).reference_generate(list(prompt), max_new_tokens))
@@ -147,7 +120,7 @@ def oracle_mismatches(config: dict, prompts: list[list[int]], responses: list[di
         first = None
         if got:
             with _ORACLE_LOCK:
-                preds = _all_position_argmax(model, list(prompt) + got[:-1])[len(prompt) - 1:]
+                preds = model.reference_next_tokens(list(prompt) + got[:-1])[len(prompt) - 1:]
             first = next((i for i, (a, b) in enumerate(zip(got, preds, strict=True)) if a != b),
                          None)
         if first is None and len(got) != max_new_tokens:

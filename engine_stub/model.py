@@ -200,8 +200,8 @@ class TinyHybridModel:
         last = torch.tensor(extend_lens, device=device).cumsum(0) - 1
         return _rms_norm(x[last]) @ self.lm_head
 
-    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits after `token_ids`, recomputed from scratch (no cache): the oracle."""
+    def _reference_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Final hidden states of every position, recomputed from scratch (no cache)."""
         device = self.device
         n = len(token_ids)
         positions = torch.arange(n, device=device)
@@ -213,7 +213,19 @@ class TinyHybridModel:
             values = v[None].expand(n, *v.shape)
             attn = _attend(q, positions, keys, values, key_valid, self._window_of(layer))
             x = self._finish_layer(layer, x, attn)
-        return _rms_norm(x[-1:]) @ self.lm_head
+        return _rms_norm(x)
+
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits after `token_ids`, recomputed from scratch (no cache): the oracle."""
+        return self._reference_hidden(token_ids)[-1:] @ self.lm_head
+
+    def reference_next_tokens(self, token_ids: list[int]) -> list[int]:
+        """The greedy next token after every prefix of `token_ids` (teacher forcing, one pass).
+
+        A greedy output equals `reference_generate` iff each of its tokens is the entry here
+        for the position before it.
+        """
+        return [int(t) for t in (self._reference_hidden(token_ids) @ self.lm_head).argmax(-1).tolist()]
 
     def reference_generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of `prompt_ids` by recomputing every step: the output oracle."""

@@ -159,3 +159,14 @@ def test_encode_then_decode_round_trips(text: str) -> None:
 def test_model_config_rejects_bad_shapes(hidden_size: int, num_heads: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(PATTERN, WINDOW, hidden_size=hidden_size, num_heads=num_heads)
+
+
+def test_reference_next_tokens_agrees_with_step_by_step_generation() -> None:
+    model = TinyHybridModel(ModelConfig(layer_pattern="SFSS", window=8, seed=3))
+    prompt = list(b"teacher forcing equals greedy")
+    generated = model.reference_generate(prompt, 16)
+    predicted = model.reference_next_tokens(prompt + generated[:-1])[len(prompt) - 1 :]
+    assert predicted == generated
+    wrong = list(generated)
+    wrong[5] = (wrong[5] + 1) % 256
+    assert model.reference_next_tokens(prompt + wrong[:-1])[len(prompt) - 1 :][5] != wrong[5]
