@@ -410,12 +410,14 @@ def expect(
     level = resolve_level()
     if level != InvariantCheckLevel.OFF and value.numel() > 0:
         ok = inv.prop.ok(value)
-        counter = inv._counter(ok.device)
-        counter.add_((~ok).sum())
         if crashes(inv.bucket, level):
+            # The crash path counts only when the assert fires synchronously (CPU); on CUDA the
+            # failure kills the process at the next sync, and the assert message names it.
             _assert_or_raise(inv, ok, msg, level, slots)
-        elif (slots is not None or msg) and len(_pending_contexts) < _MAX_PENDING:
-            _pending_contexts.append((inv, ok, slots, msg))
+        else:
+            inv._counter(ok.device).add_((~ok).sum())
+            if (slots is not None or msg) and len(_pending_contexts) < _MAX_PENDING:
+                _pending_contexts.append((inv, ok, slots, msg))
     if inv.recover is not None:
         value = inv.recover(value)
     return value
@@ -434,7 +436,9 @@ def _assert_or_raise(
         torch._assert_async(ok.all(), text)
     except RuntimeError:
         # Synchronous failure (CPU): we are dying anyway, so host reads are fine here.
-        total = int(inv._counter(ok.device).item())
+        counter = inv._counter(ok.device)
+        counter.add_((~ok).sum())
+        total = int(counter.item())
         previous = _drained_totals.get(inv.name, 0)
         _drained_totals[inv.name] = total
         firing = Firing(

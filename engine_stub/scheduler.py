@@ -296,8 +296,7 @@ class Scheduler:
         reqs = [r for r in self.running if not r.finished]
         if not reqs:
             return []
-        for req in reqs:
-            self._evict_window(req)
+        self._evict_windows(reqs)
         slots = self._alloc_decode(reqs)
         if slots is None:
             self._evict_tree(len(reqs) * self.page_size, len(reqs) * self.page_size)
@@ -324,23 +323,28 @@ class Scheduler:
         cols = torch.tensor([r.kv_len - 1 for r in reqs], dtype=torch.int64, device=self.device)
         return self.allocator.alloc_decode([r.kv_len + 1 for r in reqs], table[rows, cols].to(torch.int64))
 
-    def _evict_window(self, req: Req) -> None:
-        """Release SWA peers that slid out of the window: positions below kv_len - window."""
-        frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
-        new_frontier = _page_floor(max(frontier, req.kv_len - self.window), self.page_size)
-        if new_frontier <= frontier:
-            req.swa_evicted_seqlen = frontier
-            return
-        slots = self.req_to_token_pool.req_to_token[req.row, frontier:new_frontier].to(torch.int64)
-        overridden = self._hook(Site.ON_WINDOW_EVICTION, req=req, slots=slots,
-                                frontier=frontier, new_frontier=new_frontier)
-        slots = overridden.get("slots", slots)
-        new_frontier = overridden.get("new_frontier", new_frontier)
-        self.allocator.free_swa(slots)
-        if "then_free_swa" in overridden:
-            self.allocator.free_swa(overridden["then_free_swa"])
-        self.stats["swa_evicted_tokens"] += new_frontier - frontier
-        req.swa_evicted_seqlen = new_frontier
+    def _evict_windows(self, reqs: list[Req]) -> None:
+        """Release SWA peers that slid out of every request's window (below kv_len - window).
+
+        One `free_swa` per request, as SGLang does: a slot two rows share (a corrupted row) is
+        then freed twice in two calls, and the second call sees its peer already released.
+        """
+        table = self.req_to_token_pool.req_to_token
+        for req in reqs:
+            frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
+            new_frontier = _page_floor(max(frontier, req.kv_len - self.window), self.page_size)
+            if new_frontier <= frontier:
+                req.swa_evicted_seqlen = frontier
+                continue
+            slots = table[req.row, frontier:new_frontier].to(torch.int64)
+            overridden = self._hook(Site.ON_WINDOW_EVICTION, req=req, slots=slots,
+                                    frontier=frontier, new_frontier=new_frontier)
+            self.allocator.free_swa(overridden.get("slots", slots))
+            if "then_free_swa" in overridden:  # a caller's second free_swa of the same slots
+                self.allocator.free_swa(overridden["then_free_swa"])
+            new_frontier = overridden.get("new_frontier", new_frontier)
+            self.stats["swa_evicted_tokens"] += new_frontier - frontier
+            req.swa_evicted_seqlen = new_frontier
 
     # ---- finish ------------------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
     python scripts/bench_engine.py [--starts N] [--reps R] [--requests B] [--new-tokens T]
 
-(a) Cold start: wall time of `python -c "import torch"` against `python -m engine_stub --port 0`
-    until it prints its `engine_stub ready on http://...` line (each in a fresh process; the
-    server is then stopped with SIGTERM), N of each, interleaved; medians and their difference.
+(a) Cold start: wall time until `python -c "import torch; print(...)"` prints its line, against
+    `python -m engine_stub --port 0` until it prints `engine_stub ready on http://...` (and
+    listens; each in a fresh process; the server is then stopped with SIGTERM), N of each,
+    interleaved; medians and their difference.
 (b) Decode throughput of the in-process scheduler, driven by `scheduler.step()` on a fixed
     workload (B requests x T new tokens, prefilled together; only decode steps are timed), with
     invariant_check off and strict (kv_canary off), and kv_canary off and log (invariant_check
@@ -46,9 +47,16 @@ def _env() -> dict[str, str]:
 
 
 def _time_import_torch() -> float:
+    """Until a bare `import torch` prints a line: the same finish line as the engine's ready."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True, env=_env(), cwd=REPO_ROOT)
-    return time.perf_counter() - start
+    proc = subprocess.Popen([sys.executable, "-c", "import torch; print('imported', flush=True)"],
+                            stdout=subprocess.PIPE, text=True, env=_env(), cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    elapsed = time.perf_counter() - start
+    proc.wait()
+    proc.stdout.close()
+    return elapsed
 
 
 def _time_engine_ready(workdir: Path, index: int) -> float:
