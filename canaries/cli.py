@@ -6,6 +6,7 @@
     canary validate [PATHS...]
     canary new NAME --from SCENARIO [--dir configs/scenarios]
     canary schema
+    canary gc [--all] [--images]
 
 `run` exits 0 when every verdict passed, 1 when any failed, 2 on a usage or validation error,
 130 on Ctrl-C (every engine is stopped first; what was written stays).
@@ -218,7 +219,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
     print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
           f"report {report_dir}", flush=True)
-    from canaries.runtime.local import install_sigterm_handler
+    from canaries.runtime.safety import install_sigterm_handler
 
     install_sigterm_handler()  # from the main thread: the engines start in worker threads
     t0 = time.monotonic()
@@ -327,6 +328,17 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from canaries.runtime.docker import DockerUnavailable, gc
+
+    try:
+        removed = gc(include_live=args.all, images=args.images)
+    except DockerUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    print(f"removed {removed} serving-canary container(s)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="canary", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -363,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the scenario JSON Schema")
     schema.set_defaults(func=cmd_schema)
+
+    gc = sub.add_parser("gc", help="remove engine containers left behind by earlier runs")
+    gc.add_argument("--all", action="store_true", help="also containers of runs still going")
+    gc.add_argument("--images", action="store_true", help="also engine images of older sources")
+    gc.set_defaults(func=cmd_gc)
     return parser
 
 

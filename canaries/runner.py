@@ -56,14 +56,10 @@ def default_report_dir(run_id: str | None = None) -> Path:
 
 def cancel_all() -> None:
     """Ctrl-C: start no new scenario, stop every engine still running."""
-    from canaries.runtime.local import stop_all
+    from canaries.runtime.safety import stop_all
 
     _CANCEL.set()
     stop_all(timeout=3.0)
-    docker_runtime = sys.modules.get("canaries.runtime.docker")
-    if docker_runtime is not None and hasattr(docker_runtime, "stop_all"):
-        with contextlib.suppress(Exception):
-            docker_runtime.stop_all(timeout=3.0)
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:

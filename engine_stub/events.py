@@ -17,7 +17,9 @@ from typing import Any
 __all__ = ["EventLog", "read_events", "trace_of"]
 
 # Fields that differ between two runs of the same seed and scenario (paths name the run dir).
-NONDETERMINISTIC_FIELDS = frozenset({"ts", "pid", "path", "port", "wall_s", "host", "config_sources"})
+NONDETERMINISTIC_FIELDS = frozenset(
+    {"ts", "pid", "path", "port", "wall_s", "host", "config_sources", "traceback"}
+)
 NONDETERMINISTIC_CONFIG_KEYS = frozenset({"event_log", "port", "host"})
 
 

@@ -8,7 +8,6 @@ SIGTERM handler can stop engines the caller never got to stop: no orphan survive
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -19,45 +18,11 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["LocalRuntime", "install_sigterm_handler", "stop_all"]
+from canaries.runtime import safety
+
+__all__ = ["LocalRuntime"]
 
 READY_RE = re.compile(r"engine_stub ready on (http://\S+)")
-
-_LIVE: set[LocalRuntime] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def stop_all(timeout: float = 5.0) -> None:
-    """Stop every engine still running (the safety net; also used on Ctrl-C)."""
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for rt in live:
-        with contextlib.suppress(Exception):
-            rt.stop(timeout=timeout)
-
-
-atexit.register(stop_all)
-
-
-def install_sigterm_handler() -> None:
-    """On SIGTERM to the harness, stop the engines, then die as the previous handler would."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if getattr(previous, "_canary_safety_net", False):
-        return
-
-    def handler(signum, frame):
-        stop_all()
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            raise SystemExit(128 + signum)
-
-    handler._canary_safety_net = True  # type: ignore[attr-defined]
-    with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGTERM, handler)
-
 
 def _tail(path: Path, lines: int = 30) -> str:
     try:
@@ -112,12 +77,11 @@ class LocalRuntime:
         env.setdefault("OMP_NUM_THREADS", "1")
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
-        install_sigterm_handler()
+        safety.install_sigterm_handler()
         self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+        safety.register(self)
         try:
             self.base_url = self._wait_ready()
         except BaseException:
@@ -225,8 +189,7 @@ class LocalRuntime:
                     with contextlib.suppress(OSError):
                         self._log_file.close()
                     self._log_file = None
-                with _LIVE_LOCK:
-                    _LIVE.discard(self)
+                safety.unregister(self)
             return self._exit_code
 
     def log_tail(self, lines: int = 30) -> str:

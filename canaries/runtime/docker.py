@@ -1,0 +1,716 @@
+"""The docker runtime: the engine in a container built from `docker/Dockerfile`.
+
+Same interface as `LocalRuntime`. `start` makes sure the engine image exists (built once per
+content hash of the engine's sources, from a wheelhouse in `docker/wheels`, with no network),
+runs a container with `init=True`, its port published on 127.0.0.1 only, memory/CPU/PID limits,
+the scenario spec bind-mounted read-only and the run directory read-write at /run-dir (so the
+event log of a crashed engine stays on the host), waits until /health answers and returns the
+base URL. `stop` sends SIGTERM (the engine drains), reads the exit code, writes the container's
+output to `<run_dir>/engine.log` and always removes the container. Live containers are tracked,
+and an `atexit` hook and a SIGTERM handler stop those the caller never got to stop; `gc()`
+removes the leftovers of harnesses that died harder than that.
+
+Command line (used by scripts/ci-docker.sh):
+    python -m canaries.runtime.docker wheelhouse|build|tag|gc
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from canaries.runtime import safety
+
+__all__ = [
+    "DockerRuntime",
+    "DockerUnavailable",
+    "ImageBuildError",
+    "build_wheelhouse",
+    "ensure_image",
+    "gc",
+    "get_client",
+    "image_tag",
+    "IMAGE_REPO",
+    "LABEL",
+    "RUN_LABEL",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = "docker/Dockerfile"
+WHEELHOUSE = REPO_ROOT / "docker" / "wheels"
+IMAGE_REPO = "serving-canary-engine"
+LABEL = "serving-canary"              # on every container this runtime starts
+RUN_LABEL = "serving-canary.run"      # the run directory's name
+OWNER_LABEL = "serving-canary.owner"  # "<host>:<pid>" of the harness that started it
+CONTAINER_PORT = 30000
+RUN_DIR_MOUNT = "/run-dir"
+SPEC_MOUNT_DIR = "/scenario"
+# The torch build the image carries: the CPU build on these machines' disk. Never a bare `torch`
+# (PyPI's is a multi-GB CUDA build).
+TORCH_VERSION = "2.13.0"
+TORCH_CPU_PIN = f"torch=={TORCH_VERSION}+cpu"
+BUILD_REQUIRES = ("setuptools>=68",)
+# The target of the wheelhouse: the base image's CPython 3.11 on x86_64 glibc.
+WHEEL_TARGET = ("--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+                "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                "--platform", "manylinux2014_x86_64")
+# Engine knobs the runtime sets itself; the others pass through from the host's environment.
+_OWN_KNOBS = {"ENGINE_STUB_HOST", "ENGINE_STUB_PORT", "ENGINE_STUB_EVENT_LOG",
+              "ENGINE_STUB_SCENARIO"}
+
+_START_HINT = ("start one: as root run scripts/ci-docker.sh (it installs docker.io if needed "
+               "and starts dockerd), or `dockerd &`; or point DOCKER_HOST at a running engine")
+
+
+class DockerUnavailable(RuntimeError):
+    """No Docker engine can be reached (or the docker SDK is missing); the message says why."""
+
+
+class ImageBuildError(RuntimeError):
+    """The engine image could not be built; the message carries the build output's tail."""
+
+
+# ---- the engine (daemon) ---------------------------------------------------------------------
+
+
+def _docker():
+    try:
+        import docker
+    except ImportError:
+        raise DockerUnavailable("the docker SDK is not installed: pip install 'docker>=7.0' "
+                                "(or the project's [docker] extra)") from None
+    return docker
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def get_client(timeout: float = 120.0):
+    """A docker client whose engine answers `ping`, else `DockerUnavailable` with the reason."""
+    docker = _docker()
+    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if where.startswith("unix://"):
+        # Check the socket first: the SDK leaks its socket when the connection fails.
+        path = where[len("unix://"):]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                raise DockerUnavailable(
+                    f"no Docker engine is reachable at {where}: cannot connect to {path}: "
+                    f"{exc.strerror or exc}; {_START_HINT}") from None
+    try:
+        client = docker.from_env(timeout=int(timeout))
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure here means "no engine"
+        raise DockerUnavailable(f"no Docker engine is reachable at {where}: {_reason(exc)}; "
+                                f"{_START_HINT}") from None
+    return client
+
+
+# ---- the image -------------------------------------------------------------------------------
+
+
+def _hashed_files(dockerfile: str = DOCKERFILE) -> list[Path]:
+    files = [p for p in (REPO_ROOT / "engine_stub").rglob("*.py") if "__pycache__" not in p.parts]
+    files += [REPO_ROOT / "pyproject.toml", REPO_ROOT / dockerfile, REPO_ROOT / ".dockerignore"]
+    return sorted(files)
+
+
+def image_tag(dockerfile: str = DOCKERFILE) -> str:
+    """`serving-canary-engine:<hash>`: a content hash of what goes into the image.
+
+    Hashed: engine_stub/**/*.py, pyproject.toml, the Dockerfile and .dockerignore (a change in
+    any of them makes a new tag, hence a rebuild; anything else reuses the image).
+    """
+    digest = hashlib.sha256()
+    for path in _hashed_files(dockerfile):
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() if path.exists() else b"<missing>")
+        digest.update(b"\0")
+    return f"{IMAGE_REPO}:{digest.hexdigest()[:16]}"
+
+
+def _runtime_requirements() -> list[str]:
+    """The project's runtime deps but torch, pinned to the versions this host runs when it has
+    them (so the engine in the image runs what the tests run), else as pyproject states them."""
+    from importlib import metadata
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = None  # type: ignore[assignment]
+    specs = ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "PyYAML>=6.0", "requests>=2.31"]
+    if tomllib is not None:
+        with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+            specs = list(tomllib.load(f)["project"]["dependencies"])
+    pinned = []
+    for spec in specs:
+        name = re.match(r"[A-Za-z0-9_.-]+", spec.strip()).group(0)  # type: ignore[union-attr]
+        if name.lower() == "torch":
+            continue
+        try:
+            pinned.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pinned.append(spec.strip())
+    return pinned
+
+
+def build_wheelhouse(dest: str | os.PathLike = WHEELHOUSE, quiet: bool = True) -> Path:
+    """Fill `dest` (docker/wheels) with cp311/manylinux wheels of torch 2.13.0 (CPU), the
+    runtime deps and the build backend, and write `dest/requirements.txt` for the Dockerfile.
+
+    Runs `pip download` on the host, which takes the torch CPU build from its local wheel folder.
+    Only `torch==2.13.0+cpu` is asked for: where no CPU build is available it fails instead of
+    fetching a CUDA build.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    runtime = _runtime_requirements()
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check",
+           "--dest", str(dest), "--only-binary=:all:", *WHEEL_TARGET,
+           TORCH_CPU_PIN, *runtime, *BUILD_REQUIRES]
+    if quiet:
+        cmd.insert(4, "--quiet")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-20:])
+        raise ImageBuildError(
+            f"the wheelhouse step failed (exit {proc.returncode}): {' '.join(cmd[3:])}\n{tail}\n"
+            f"It needs the torch {TORCH_VERSION} CPU wheel where pip finds it (a find-links "
+            f"folder) and the package registry for the other deps.")
+    torch_wheels = sorted(dest.glob(f"torch-{TORCH_VERSION}*.whl"))
+    if not torch_wheels or any("+cpu" not in w.name for w in torch_wheels):
+        raise ImageBuildError(f"the wheelhouse {dest} must hold only the torch {TORCH_VERSION} "
+                              f"CPU build, found: {[w.name for w in torch_wheels]}")
+    reqs = dest / "requirements.txt"
+    tmp = reqs.with_suffix(".tmp")
+    tmp.write_text("# written by canaries.runtime.docker.build_wheelhouse; do not edit\n"
+                   + "\n".join([f"torch=={TORCH_VERSION}", *runtime]) + "\n", encoding="utf-8")
+    tmp.replace(reqs)
+    return dest
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def _base_image(dockerfile: str) -> str | None:
+    try:
+        text = (REPO_ROOT / dockerfile).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = re.search(r"^ARG\s+BASE_IMAGE=(\S+)", text, re.M)
+    return match.group(1) if match else None
+
+
+def ensure_image(client: Any = None, dockerfile: str = DOCKERFILE, *, verbose: bool = False,
+                 force: bool = False) -> str:
+    """The engine image's tag; builds it first unless an image with that tag exists.
+
+    The build uses the repository root as its context (see .dockerignore), `pull=False` and
+    `network_mode="none"`; the wheelhouse is made first when docker/wheels lacks it.
+    """
+    docker = _docker()
+    with _BUILD_LOCK:
+        client = client or get_client()
+        tag = image_tag(dockerfile)
+        if not force:
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                client.images.get(tag)
+                return tag
+        base = _base_image(dockerfile)
+        hint = ""
+        if base:
+            try:
+                client.images.get(base)
+            except docker.errors.ImageNotFound:
+                # The build will try to pull it; where no registry is reachable that fails.
+                hint = (f"\nThe base image {base} is not here and the build could not pull it: "
+                        f"make the local stand-in with docker/make-base-image.sh (as root), or "
+                        f"run scripts/ci-docker.sh")
+        if not (WHEELHOUSE / "requirements.txt").exists():
+            print(f"canary: making the wheelhouse in {WHEELHOUSE} ...", file=sys.stderr,
+                  flush=True)
+            build_wheelhouse()
+        print(f"canary: building the engine image {tag} (once per engine source change) ...",
+              file=sys.stderr, flush=True)
+        lines: list[str] = []
+        try:
+            for chunk in client.api.build(path=str(REPO_ROOT), dockerfile=dockerfile, tag=tag,
+                                          pull=False, network_mode="none", rm=True,
+                                          forcerm=True, decode=True,
+                                          labels={"serving-canary.image": "1"}):
+                if "error" in chunk:
+                    lines.append(str(chunk["error"]).rstrip())
+                    raise ImageBuildError(f"building {tag} failed:\n" + "\n".join(lines[-30:])
+                                          + hint)
+                text = chunk.get("stream")
+                if text:
+                    lines.extend(text.rstrip("\n").splitlines())
+                    if verbose:
+                        sys.stderr.write(text)
+        except docker.errors.APIError as exc:
+            raise ImageBuildError(f"building {tag} failed: {_reason(exc)}\n"
+                                  + "\n".join(lines[-30:]) + hint) from None
+        try:
+            client.images.get(tag)
+        except docker.errors.ImageNotFound:
+            raise ImageBuildError(f"the build reported no error but {tag} does not exist:\n"
+                                  + "\n".join(lines[-30:])) from None
+        return tag
+
+
+# ---- the safety net --------------------------------------------------------------------------
+
+def _owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _is_leftover(container: Any) -> bool:
+    """Started by a harness that is gone (or by this one, and no runtime tracks it)."""
+    owner = (container.labels or {}).get(OWNER_LABEL, "")
+    host, _, pid_text = owner.rpartition(":")
+    if not owner or not pid_text.isdigit():
+        return True
+    if host != socket.gethostname():
+        return False  # another machine's harness: we cannot tell whether it still runs
+    pid = int(pid_text)
+    if pid == os.getpid():
+        live_ids = {rt.container.id for rt in safety.registered()
+                    if isinstance(rt, DockerRuntime) and rt.container is not None}
+        return container.id not in live_ids
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def gc(client: Any = None, *, include_live: bool = False, images: bool = False) -> int:
+    """Remove containers labelled `serving-canary` that are leftovers; how many were removed.
+
+    A leftover is a container whose harness process is gone (or that this process started and no
+    runtime tracks any more). `include_live=True` removes every labelled container, in use or
+    not. `images=True` also removes engine images other than the current tag.
+    """
+    docker = _docker()
+    client = client or get_client()
+    removed = 0
+    for container in client.containers.list(all=True, filters={"label": LABEL}):
+        if not include_live and not _is_leftover(container):
+            continue
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+            removed += 1
+    if images:
+        keep = image_tag()
+        for image in client.images.list(name=IMAGE_REPO):
+            for tag in image.tags:
+                if tag != keep:
+                    with contextlib.suppress(docker.errors.APIError):
+                        client.images.remove(tag)
+    return removed
+
+
+# ---- the runtime -----------------------------------------------------------------------------
+
+
+def _map_exit(raw: int | None, stopped_by_us: bool) -> int | None:
+    """The container's status as the local runtime reports a process's.
+
+    With init=True the container's status is tini's: 128+N when the engine died of signal N,
+    which maps to -N as for a subprocess. SIGTERM sent by `stop` and answered by the engine's
+    drain-and-re-raise is a clean stop: 0 (as LocalRuntime reports it).
+    """
+    if raw is None:
+        return None
+    if stopped_by_us and raw == 128 + signal.SIGTERM:
+        return 0
+    if 128 < raw <= 128 + 64:
+        return -(raw - 128)
+    return raw
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-.")[:40] or "run"
+
+
+def _tail_text(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:]) or "(engine log is empty)"
+
+
+class DockerRuntime:
+    """One engine container. Use as a context manager; `stop()` is idempotent."""
+
+    name = "docker"
+
+    def __init__(self, ready_timeout: float = 30.0, *, image: str | None = None,
+                 dockerfile: str = DOCKERFILE, mem_limit: str = "2g", cpus: float = 1.0,
+                 pids_limit: int = 512, user: str | None = None, gpus: bool = False,
+                 network: str | None = None) -> None:
+        self.ready_timeout = ready_timeout
+        self.image = image
+        self.dockerfile = dockerfile
+        self.mem_limit = mem_limit
+        self.cpus = cpus
+        self.pids_limit = pids_limit
+        self.user = user
+        self.gpus = gpus
+        self.network = network
+        self.client: Any = None
+        self.container: Any = None
+        self.base_url: str | None = None
+        self.host_port: int | None = None
+        self.port_bindings: list[dict] = []
+        self.run_dir: Path | None = None
+        self.log_path: Path | None = None
+        self.event_log: Path | None = None
+        self.command: list[str] | None = None
+        self.raw_exit_code: int | None = None
+        self.oom_killed: bool | None = None
+        self.start_to_healthy_s: float | None = None
+        self._exit_code: int | None = None
+        self._stopped = False
+        self._restore: tuple[int, int, int, int] | None = None  # mode, uid, gid, container uid
+        self._lock = threading.Lock()
+
+    # ---- image ---------------------------------------------------------------------------------
+
+    def ensure_image(self, verbose: bool = False) -> str:
+        """Build the engine image unless it exists (by content hash); its tag."""
+        if self.client is None:
+            self.client = get_client()
+        self.image = ensure_image(self.client, self.dockerfile, verbose=verbose)
+        return self.image
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, spec_path: str | os.PathLike | None, run_dir: str | os.PathLike,
+              extra_flags: list[str] | tuple[str, ...] = ()) -> str:
+        """Run the engine's container and return its base URL once /health answers.
+
+        Raises DockerUnavailable when no engine is reachable, ImageBuildError when the image
+        cannot be built, RuntimeError with the engine output's tail if it exits or is not ready
+        in time.
+        """
+        if self.container is not None:
+            raise RuntimeError("this runtime already started an engine")
+        docker = _docker()
+        run_dir = Path(run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.log_path = run_dir / "engine.log"
+        self.event_log = run_dir / "events.jsonl"
+        if self.client is None:
+            self.client = get_client()
+        if self.image is None:
+            self.ensure_image()
+        assert self.image is not None
+
+        volumes = {str(run_dir): {"bind": RUN_DIR_MOUNT, "mode": "rw"}}
+        cmd: list[str] = []
+        if spec_path is not None:
+            spec = Path(spec_path).resolve()
+            if not spec.is_file():  # docker would bind-mount a fresh empty directory instead
+                raise RuntimeError(f"the scenario spec {spec} does not exist")
+            target = f"{SPEC_MOUNT_DIR}/{spec.name}"
+            volumes[str(spec)] = {"bind": target, "mode": "ro"}
+            cmd += ["--scenario", target]
+        cmd += ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
+                "--event-log", f"{RUN_DIR_MOUNT}/events.jsonl", *extra_flags]
+        self.command = cmd
+
+        user = self.user
+        if user is None and os.getuid() != 0:
+            user = f"{os.getuid()}:{os.getgid()}"  # files in the run dir belong to the host user
+        if user is None:
+            # A root host: the engine runs as the image's non-root user, which needs to write to
+            # the run dir and read the spec; `stop` hands the files back to the run dir's owner.
+            self._open_run_dir(run_dir, spec_path)
+
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith("ENGINE_STUB_") and k not in _OWN_KNOBS}
+        threads = str(max(1, math.ceil(self.cpus)))
+        env.update({"PYTHONUNBUFFERED": "1", "HOME": "/tmp", "OMP_NUM_THREADS": threads})
+        kwargs: dict[str, Any] = {
+            "image": self.image, "command": cmd, "detach": True, "init": True,
+            "name": f"serving-canary-{_slug(run_dir.name)}-{secrets.token_hex(3)}",
+            "labels": {LABEL: "1", RUN_LABEL: run_dir.name, OWNER_LABEL: _owner()},
+            "ports": {f"{CONTAINER_PORT}/tcp": ("127.0.0.1", None)},
+            "volumes": volumes, "environment": env,
+            "mem_limit": self.mem_limit, "memswap_limit": self.mem_limit,
+            "nano_cpus": int(self.cpus * 1e9), "pids_limit": self.pids_limit,
+            "read_only": True, "tmpfs": {"/tmp": "rw,size=256m,mode=1777"},
+            "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"],
+        }
+        if user is not None:
+            kwargs["user"] = user
+        if self.network:
+            kwargs["network"] = self.network
+        if self.gpus:
+            kwargs["device_requests"] = [docker.types.DeviceRequest(count=-1,
+                                                                    capabilities=[["gpu"]])]
+        safety.install_sigterm_handler()
+        t0 = time.monotonic()
+        try:
+            self.container = self.client.containers.create(**kwargs)
+        except BaseException:
+            self._restore_run_dir()
+            raise
+        safety.register(self)
+        try:
+            self.container.start()
+            self.host_port = self._published_port()
+            self.base_url = f"http://127.0.0.1:{self.host_port}"
+            self._wait_healthy()
+            self.start_to_healthy_s = time.monotonic() - t0
+        except BaseException:
+            self.stop(timeout=2)
+            raise
+        return self.base_url
+
+    def _open_run_dir(self, run_dir: Path, spec_path: str | os.PathLike | None) -> None:
+        st = run_dir.stat()
+        container_uid = 10001
+        with contextlib.suppress(Exception):
+            user = self.client.images.get(self.image).attrs["Config"].get("User") or ""
+            if user.split(":")[0].isdigit():
+                container_uid = int(user.split(":")[0])
+        self._restore = (st.st_mode & 0o7777, st.st_uid, st.st_gid, container_uid)
+        os.chmod(run_dir, 0o777)
+        if spec_path is not None:
+            spec = Path(spec_path)
+            with contextlib.suppress(OSError):
+                if not spec.stat().st_mode & 0o004:
+                    os.chmod(spec, spec.stat().st_mode | 0o444)
+
+    def _restore_run_dir(self) -> None:
+        if self._restore is None or self.run_dir is None:
+            return
+        mode, uid, gid, container_uid = self._restore
+        self._restore = None
+        with contextlib.suppress(OSError):
+            for path in [self.run_dir, *self.run_dir.rglob("*")]:
+                if path.lstat().st_uid == container_uid:
+                    os.lchown(path, uid, gid)
+            os.chmod(self.run_dir, mode)
+
+    def _published_port(self) -> int:
+        deadline = time.monotonic() + 10
+        while True:
+            self.container.reload()
+            bindings = (self.container.attrs.get("NetworkSettings", {}).get("Ports") or {}) \
+                .get(f"{CONTAINER_PORT}/tcp")
+            if bindings:
+                self.port_bindings = list(bindings)
+                return int(bindings[0]["HostPort"])
+            if self.container.status in ("exited", "dead") or time.monotonic() > deadline:
+                raise RuntimeError(self._exited_message("before its port was published"))
+            time.sleep(0.02)
+
+    def _exited_message(self, when: str) -> str:
+        state = (self.container.attrs or {}).get("State", {})
+        code = _map_exit(state.get("ExitCode"), False) if state.get("Status") == "exited" \
+            else None
+        what = f"the engine exited with code {code}" if code is not None \
+            else f"the engine's container is {state.get('Status', 'gone')}"
+        return f"{what} {when}; log tail (container {self.container.name}):\n{self.log_tail()}"
+
+    def _wait_healthy(self) -> None:
+        import requests
+
+        deadline = time.monotonic() + self.ready_timeout
+        url = f"{self.base_url}/health"
+        while True:
+            try:
+                # Any HTTP answer means uvicorn serves (a crashed engine answers 503).
+                requests.get(url, timeout=2).close()
+                return
+            except requests.RequestException:
+                pass
+            self.container.reload()
+            if self.container.status in ("exited", "dead"):
+                raise RuntimeError(self._exited_message("before it was ready"))
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the engine was not ready within {self.ready_timeout:.0f}s; "
+                                   f"log tail (container {self.container.name}):\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        """The exit code if the engine has exited, else None."""
+        container = self.container
+        if container is None or self._stopped:
+            return self._exit_code
+        try:
+            container.reload()
+        except Exception:  # noqa: BLE001 - gone, or the engine went away
+            return self._exit_code
+        if container.status in ("exited", "dead"):
+            state = container.attrs.get("State", {})
+            self.raw_exit_code = state.get("ExitCode")
+            self.oom_killed = state.get("OOMKilled")
+            self._exit_code = _map_exit(self.raw_exit_code, False)
+            return self._exit_code
+        return None
+
+    @property
+    def running(self) -> bool:
+        return self.container is not None and not self._stopped and self.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The host PID of the container's init (tini), or None."""
+        if self.container is None or self._stopped:
+            return None
+        with contextlib.suppress(Exception):
+            self.container.reload()
+        pid = (self.container.attrs or {}).get("State", {}).get("Pid")
+        return pid or None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The engine's exit status (negative: killed by that signal); None while it runs."""
+        return self.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the engine to exit by itself; its code, or None on timeout."""
+        container = self.container
+        if container is None or self._stopped:
+            return self._exit_code
+        import requests
+
+        try:
+            result = container.wait(timeout=timeout)
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            return None
+        except Exception:  # noqa: BLE001 - removed meanwhile
+            return self._exit_code
+        self.raw_exit_code = result.get("StatusCode")
+        self._exit_code = _map_exit(self.raw_exit_code, False)
+        return self._exit_code
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the container's init (it forwards all but SIGKILL to the engine)."""
+        if self.container is not None and not self._stopped:
+            with contextlib.suppress(Exception):
+                self.container.kill(signal=int(sig))
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to `timeout`, then SIGKILL; save the log, remove the container;
+        return the exit code. Idempotent."""
+        with self._lock:
+            container = self.container
+            if container is None or self._stopped:
+                return self._exit_code
+            try:
+                raw = None
+                stopped_by_us = False
+                try:
+                    container.reload()
+                    if container.status in ("running", "paused", "restarting"):
+                        stopped_by_us = True
+                        container.stop(timeout=max(1, math.ceil(timeout)))
+                    if container.status != "created":
+                        raw = container.wait(timeout=timeout + 30).get("StatusCode")
+                    with contextlib.suppress(Exception):
+                        container.reload()
+                        self.oom_killed = container.attrs.get("State", {}).get("OOMKilled")
+                except Exception:  # noqa: BLE001 - gone or unresponsive: removal below
+                    raw = self.raw_exit_code
+                self.raw_exit_code = raw
+                self._exit_code = _map_exit(raw, stopped_by_us)
+                self._save_log()
+            finally:
+                self._stopped = True
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+                safety.unregister(self)
+                self._restore_run_dir()
+            return self._exit_code
+
+    def _save_log(self) -> None:
+        if self.log_path is None:
+            return
+        with contextlib.suppress(Exception):
+            data = self.container.logs(stdout=True, stderr=True)
+            self.log_path.write_bytes(data)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.container is not None and not self._stopped:
+            with contextlib.suppress(Exception):
+                return _tail_text(self.container.logs(tail=lines).decode("utf-8", "replace"),
+                                  lines)
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                return _tail_text(self.log_path.read_text(encoding="utf-8", errors="replace"),
+                                  lines)
+        return "(no engine log)"
+
+    def __enter__(self) -> DockerRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m canaries.runtime.docker",
+                                     description="The docker runtime's set-up steps.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("wheelhouse", help="make docker/wheels (torch CPU + runtime deps)")
+    build = sub.add_parser("build", help="build the engine image unless it exists; print its tag")
+    build.add_argument("--force", action="store_true", help="build even if the tag exists")
+    build.add_argument("--dockerfile", default=DOCKERFILE)
+    sub.add_parser("tag", help="print the engine image's tag for the current sources")
+    clean = sub.add_parser("gc", help="remove leftover serving-canary containers")
+    clean.add_argument("--all", action="store_true", help="also containers of live harnesses")
+    clean.add_argument("--images", action="store_true", help="also stale engine images")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        if args.cmd == "wheelhouse":
+            path = build_wheelhouse()
+            size = sum(p.stat().st_size for p in path.glob("*.whl")) / 1e6
+            print(f"wheelhouse {path}: {len(list(path.glob('*.whl')))} wheels, {size:.0f} MB "
+                  f"({time.monotonic() - t0:.1f}s)", file=sys.stderr)
+        elif args.cmd == "build":
+            tag = ensure_image(dockerfile=args.dockerfile, verbose=True, force=args.force)
+            print(f"image {tag} ready ({time.monotonic() - t0:.1f}s)", file=sys.stderr)
+            print(tag)
+        elif args.cmd == "tag":
+            print(image_tag())
+        elif args.cmd == "gc":
+            print(f"removed {gc(include_live=args.all, images=args.images)} container(s)")
+    except (DockerUnavailable, ImageBuildError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
