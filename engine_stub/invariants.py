@@ -39,6 +39,7 @@ __all__ = [
     "IsZero",
     "Positive",
     "checks_enabled",
+    "counter_snapshot",
     "NotInf",
     "NotNaN",
     "PageAligned",
@@ -464,17 +465,35 @@ def hit_counts() -> dict[str, int]:
     return counts
 
 
-def drain_firings() -> list[Firing]:
-    """Read every counter, and turn each increase since the last drain into a `Firing`.
+def counter_snapshot() -> tuple[list[str], torch.Tensor | None]:
+    """Every live counter stacked into one device tensor (no host read), with the names in order.
 
-    Each firing goes to the sink and is returned. This is a host read: the engine calls it at
-    the end of a step and on idle ticks, where it synchronizes anyway.
+    The engine concatenates it with the step's sampled tokens, so that one device-to-host copy
+    brings back both; `drain_firings(totals)` then needs no read of its own.
+    """
+    names, counters = [], []
+    for inv in registered_invariants():
+        for counter in inv._counters.values():
+            names.append(inv.name)
+            counters.append(counter)
+    return names, (torch.stack(counters) if counters else None)
+
+
+def drain_firings(totals: dict[str, int] | None = None) -> list[Firing]:
+    """Turn each counter increase since the last drain into a `Firing`.
+
+    Args:
+        totals: host copies of the counters (from `counter_snapshot`, read back by the caller).
+            None reads every counter here: a host read, for idle ticks and tests.
+
+    Each firing goes to the sink and is returned. Resolving which slots failed reads the device,
+    but only for an invariant that fired.
     """
     level = resolve_level()
     pending = list(_pending_contexts)
     _pending_contexts.clear()
     firings = []
-    for name, total in hit_counts().items():
+    for name, total in (hit_counts() if totals is None else totals).items():
         previous = _drained_totals.get(name, 0)
         if total <= previous:
             continue

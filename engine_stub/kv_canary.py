@@ -248,33 +248,31 @@ class KVCanary:
             )
 
     def sweep(self, cached_paths: list, step: int) -> None:
-        """Verify every slot the radix cache holds (chain, position and real-KV hash)."""
+        """Verify every slot the radix cache holds (chain, position and real-KV hash).
+
+        Tombstoned positions have no SWA peer: the SWA group masks them out (fixed shapes, so
+        the sweep reads nothing back) rather than filtering them away.
+        """
         if not self.enabled or not cached_paths:
             return
         self.stats["sweep_passes"] += 1
+        paths = [p for p in cached_paths if p.slots.numel()]
+        if not paths:
+            return
+        slots = torch.cat([p.slots for p in paths]).to(self.device)
+        positions = torch.cat([torch.arange(p.slots.numel()) for p in paths]).to(self.device)
+        prev_slots = torch.cat([p.slots[(torch.arange(p.slots.numel()) - 1).clamp(min=0)] for p in paths]).to(self.device)
         for group in self.groups:
-            slots_parts, pos_parts, prev_parts, chain_parts = [], [], [], []
-            for path in cached_paths:
-                n = path.slots.numel()
-                if n == 0:
-                    continue
-                live = torch.ones(n, dtype=torch.bool, device=self.device) if group == "FULL" else path.swa_live.to(self.device)
-                pos = torch.arange(n, device=self.device)
-                prev_live = torch.cat([torch.ones(1, dtype=torch.bool, device=self.device), live[:-1]])
-                keep = live.tolist()  # host read: sweeps run at the end of a step
-                if not any(keep):
-                    continue
-                keep_t = torch.tensor(keep, device=self.device)
-                slots_parts.append(path.slots.to(self.device)[keep_t])
-                pos_parts.append(pos[keep_t])
-                prev_parts.append(path.slots.to(self.device)[(pos - 1).clamp(min=0)][keep_t])
-                chain_parts.append((prev_live | (pos == 0))[keep_t])
-            if not slots_parts:
-                continue
-            self._verify_slots(
-                "SWEEP", group, torch.cat(slots_parts), torch.cat(pos_parts), torch.cat(prev_parts),
-                torch.cat(chain_parts), None, check_kv=True, step=step,
-            )
+            if group == "FULL":
+                live = torch.ones_like(slots, dtype=torch.bool)
+                chain = torch.ones_like(live)
+            else:
+                live = torch.cat([p.swa_live for p in paths]).to(self.device)
+                # A position's chain is checked when its predecessor is live too (or it is first).
+                prev_live = torch.cat([torch.cat([torch.ones(1, dtype=torch.bool), p.swa_live[:-1]]) for p in paths])
+                chain = prev_live.to(self.device) | (positions == 0)
+            self._verify_slots("SWEEP", group, slots, positions, prev_slots, chain, None,
+                               check_kv=True, step=step, active=live)
 
     def _verify_slots(
         self,
@@ -288,6 +286,7 @@ class KVCanary:
         *,
         check_kv: bool,
         step: int,
+        active: torch.Tensor | None = None,
     ) -> None:
         records = self.records[group]
         rows = self._rows(group, slots)
@@ -295,6 +294,8 @@ class KVCanary:
         # inside the window must have a live peer, so there a released peer (row 0) is checked
         # and fails; the sweep only walks live (non-tombstone) positions.
         checked = slots > 0
+        if active is not None:
+            checked &= active
         stored = records[rows]
         prev = records[self._rows(group, prev_slots)]
         expected_prev = torch.where(
@@ -319,14 +320,30 @@ class KVCanary:
 
     # ---- readout ------------------------------------------------------------------------------
 
-    def collect(self, step: int) -> list[CanaryViolation]:
-        """Turn this step's failure masks into violations (one host read; end of step only)."""
+    def pending_counts(self) -> torch.Tensor | None:
+        """Failures per pending (verification, reason), stacked on the device (no host read).
+
+        The engine reads it back together with the sampled tokens and hands the values to
+        `collect`, so the canary adds no device-to-host copy of its own.
+        """
+        if not self._pending:
+            return None
+        return torch.stack([m.sum() for p in self._pending for m in p.failed.values()])
+
+    def collect(self, step: int, counts: list[int] | None = None) -> list[CanaryViolation]:
+        """Turn this step's failure masks into violations.
+
+        Args:
+            counts: the host copy of `pending_counts()`; None reads it here (a host read). Masks
+                are read back only for a (verification, reason) that failed.
+        """
         if not self.enabled:
             return []
         pending, self._pending = self._pending, []
         violations, self._host_violations = self._host_violations, []
         if pending:
-            counts = torch.stack([m.sum() for p in pending for m in p.failed.values()]).tolist()
+            if counts is None:
+                counts = torch.stack([m.sum() for p in pending for m in p.failed.values()]).tolist()
             it = iter(counts)
             for p in pending:
                 for reason, mask in p.failed.items():

@@ -17,7 +17,14 @@ import torch
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.idle_check import IdleChecker
-from engine_stub.invariants import Bucket, Invariant, IsTrue, drain_firings, expect
+from engine_stub.invariants import (
+    Bucket,
+    Invariant,
+    IsTrue,
+    counter_snapshot,
+    drain_firings,
+    expect,
+)
 from engine_stub.kv_canary import CanaryRequest, CanaryViolation, KVCanary
 from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
 from engine_stub.mem.kv_pool import HybridKVPool
@@ -88,6 +95,9 @@ class Scheduler:
         self._swa_ever_used = torch.zeros(self.kv_pool.swa_rows, dtype=torch.bool, device=self.device)
         self._swa_reused = torch.zeros((), dtype=torch.int64, device=self.device)
         self._divergent_allocs = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Host copies read back with the step's tokens (None: read them at the end of the step).
+        self._read_totals: dict[str, int] | None = None
+        self._read_canary: list[int] | None = None
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -143,7 +153,9 @@ class Scheduler:
         self._hook(Site.AFTER_FORWARD, reqs=reqs, batch=batch)
         self.canary.write(canary_reqs, token_table, self.step_no)
         self.canary.verify("TAIL", canary_reqs, token_table, self.step_no)
-        next_ids = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs]).tolist()
+        self._maybe_sweep()
+        sampled = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs])
+        next_ids = self._read_back(sampled)
         for req, token in zip(reqs, next_ids, strict=True):
             self.canary.note_sampled(req.rid, token)
         overridden = self._hook(Site.ON_SAMPLING, reqs=reqs, next_ids=next_ids)
@@ -386,13 +398,36 @@ class Scheduler:
 
     # ---- end of step ---------------------------------------------------------------------------
 
-    def _end_of_step(self, kind: str) -> None:
+    def _maybe_sweep(self) -> None:
         cfg = self.config
         if cfg.kv_canary != "off" and self.tree_cache is not None and cfg.kv_canary_sweep_interval:
             if self.step_no % cfg.kv_canary_sweep_interval == 0:
                 self.canary.sweep(self.tree_cache.cached_paths(), self.step_no)
-        firings = drain_firings()  # the sink has already logged them
-        violations = self.canary.collect(self.step_no)
+
+    def _read_back(self, sampled: torch.Tensor) -> list[int]:
+        """The step's one device-to-host copy: sampled tokens, invariant counters, canary counts.
+
+        Invariants and the canary keep their results on the device; riding along with the tokens
+        (which the host needs anyway) means they add no synchronization to the step.
+        """
+        names, counters = counter_snapshot()
+        canary_counts = self.canary.pending_counts()
+        parts = [sampled.to(torch.int64)]
+        parts += [t.to(sampled.device) for t in (counters, canary_counts) if t is not None]
+        host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        n_tokens, n_counters = sampled.numel(), len(names)
+        totals: dict[str, int] = {}
+        for name, value in zip(names, host[n_tokens:n_tokens + n_counters], strict=True):
+            totals[name] = totals.get(name, 0) + int(value)
+        self._read_totals = totals
+        self._read_canary = host[n_tokens + n_counters:] if canary_counts is not None else None
+        return host[:n_tokens]
+
+    def _end_of_step(self, kind: str) -> None:
+        totals, self._read_totals = self._read_totals, None
+        canary_counts, self._read_canary = self._read_canary, None
+        firings = drain_firings(totals)  # the sink has already logged them
+        violations = self.canary.collect(self.step_no, canary_counts)
         for violation in violations:
             self.events.write("canary_violation", durable=True, **violation.to_dict(),
                               line=violation.log_line())
