@@ -319,6 +319,11 @@ class Scheduler:
                               swa_available=self.allocator.swa_available_size())
             # Admission reserved room for every running request: a stall means slots leaked.
             expect(DECODE_STALL, torch.tensor(False), "decode cannot allocate: a pool ran dry")
+            # Where the stall does not crash the engine, abort the youngest request so the
+            # others can go on: a stalled engine must not spin forever.
+            youngest = max(reqs, key=lambda r: (r.admitted_step, r.rid))
+            youngest.finish_reason = "abort"
+            self._finish(youngest)
             return []
         table = self.req_to_token_pool.req_to_token
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
@@ -372,7 +377,7 @@ class Scheduler:
             self.allocator.free_full(overridden["then_free_full"])
         self.stats["finished_requests"] += 1
         self.events.write("request_finished", rid=req.rid, output_len=len(req.output_ids),
-                          admitted_step=req.admitted_step)
+                          admitted_step=req.admitted_step, finish_reason=req.finish_reason)
         if req.on_finish is not None:
             req.on_finish(req)
 

@@ -166,7 +166,7 @@ def create_app(engine: Engine) -> FastAPI:
             "created": int(time.time()),
             "model": body.model,
             "choices": [{"index": 0, "text": decode_text(req.output_ids), "logprobs": None,
-                         "finish_reason": "length"}],
+                         "finish_reason": req.finish_reason}],
             "usage": {"prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
                       "total_tokens": req.prompt_len + len(req.output_ids)},
         }

@@ -298,3 +298,26 @@ def test_state_reports_pools_and_config(tmp_path: Path) -> None:
     assert state["config"]["window"] == 16
     assert state["event_log"] == str(tmp_path / "e.jsonl")
     assert state["last_idle_check"]["after_step"] == state["step"]
+
+
+def test_decode_stall_below_crash_level_aborts_the_youngest_request(tmp_path: Path) -> None:
+    from engine_stub.events import EventLog
+    from engine_stub.invariants import hit_counts, override_level
+    from engine_stub.scheduler import Scheduler
+
+    config = EngineConfig(device="cpu", invariant_check="warn", window=8, swa_pool_tokens=64)
+    events = EventLog(tmp_path / "events.jsonl")
+    sched = Scheduler(config, events)
+    for i in range(2):
+        sched.add_request(Req(f"r{i}", list(range(40, 50)), 20))
+    with override_level("warn"):
+        sched.step()  # both prefill together
+        # Something leaked every free SWA slot: the next decode cannot allocate.
+        stolen = sched.allocator.swa_attn_allocator.alloc(sched.allocator.swa_available_size())
+        assert stolen is not None
+        sched.step()
+    events.close()
+    assert hit_counts()["sched.decode_stall"] == 1
+    aborted = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "request_finished"]
+    assert [(e["rid"], e["finish_reason"]) for e in aborted] == [("r1", "abort")]  # the youngest
+    assert [r.rid for r in sched.running] == ["r0"]
