@@ -6,6 +6,8 @@
     `python -m engine_stub --port 0` until it prints `engine_stub ready on http://...` (and
     listens; each in a fresh process; the server is then stopped with SIGTERM), N of each,
     interleaved; medians and their difference.
+(c) Would-be device syncs (engine_stub.synccheck) of the worst decode step per variant, and how
+    many the checks add over the variant with every check off.
 (b) Decode throughput of the in-process scheduler, driven by `scheduler.step()` on a fixed
     workload (B requests x T new tokens, prefilled together; only decode steps are timed), with
     invariant_check off and strict (kv_canary off), and kv_canary off and log (invariant_check
@@ -36,6 +38,7 @@ DECODE_VARIANTS = {
     "off": {"invariant_check": "off", "kv_canary": "off"},
     "strict": {"invariant_check": "strict", "kv_canary": "off"},
     "canary_log": {"invariant_check": "off", "kv_canary": "log"},
+    "strict_canary": {"invariant_check": "strict", "kv_canary": "log"},
 }
 
 
@@ -101,10 +104,13 @@ def bench_cold_start(starts: int, workdir: Path) -> dict[str, float]:
 # ---- (b) decode throughput -----------------------------------------------------------------------
 
 
-def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, rep: int) -> float:
+def _decode_run(variant: str, requests: int, new_tokens: int, workdir: Path, rep: int,
+                count_syncs_per_step: bool = False) -> float:
+    """Decode tokens/s of one run, or (count_syncs_per_step) the most syncs any decode step made."""
     from engine_stub.config import EngineConfig
     from engine_stub.engine import Engine
     from engine_stub.req import Req
+    from engine_stub.synccheck import count_syncs
 
     config = EngineConfig(device="cpu", max_running_requests=requests,
                           event_log=str(workdir / f"decode-{variant}-{rep}.events.jsonl"),
@@ -117,6 +123,11 @@ def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, r
             sched.add_request(Req(f"r{i}", [rng.randrange(256) for _ in range(PROMPT_TOKENS)], new_tokens))
         sched.step()  # the prefill of all requests, untimed
         assert sched.stats["prefill_steps"] == 1 and len(sched.running) == requests
+        if count_syncs_per_step:
+            most = 0
+            while sched.has_work:
+                most = max(most, count_syncs(sched.step).total)
+            return float(most)
         start = time.perf_counter()
         while sched.has_work:
             sched.step()
@@ -126,6 +137,16 @@ def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, r
         return decoded / elapsed
     finally:
         engine.stop(drain_timeout_s=0)
+
+
+def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, rep: int) -> float:
+    return _decode_run(variant, requests, new_tokens, workdir, rep)
+
+
+def bench_syncs(requests: int, new_tokens: int, workdir: Path) -> dict[str, int]:
+    """Would-be device syncs of the worst decode step, per variant (synccheck, on CPU)."""
+    return {name: int(_decode_run(name, requests, new_tokens, workdir, -2, count_syncs_per_step=True))
+            for name in DECODE_VARIANTS}
 
 
 def bench_decode(reps: int, requests: int, new_tokens: int, workdir: Path) -> dict[str, list[float]]:
@@ -155,12 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         cold = bench_cold_start(args.starts, workdir)
         samples = bench_decode(args.reps, args.requests, args.new_tokens, workdir)
+        syncs = bench_syncs(args.requests, min(args.new_tokens, 48), workdir)
     decode = {name: statistics.median(values) for name, values in samples.items()}
     # Spread of the samples around the median: a ratio closer to 1 than this is noise.
     spread = {name: (max(values) - min(values)) / decode[name] for name, values in samples.items()}
 
-    strict_ratio = decode["strict"] / decode["off"]
-    canary_ratio = decode["canary_log"] / decode["off"]
+    # Ratios are medians of per-repetition pairs: both sides of a pair ran back to back, so drift
+    # on this noisy machine cancels out better than in a ratio of two medians.
+    def paired(name: str) -> float:
+        return statistics.median(v / o for v, o in zip(samples[name], samples["off"], strict=True))
+
+    strict_ratio = paired("strict")
+    canary_ratio = paired("canary_log")
     print(f"engine_stub benchmark ({args.starts} cold starts each; decode: {args.requests} requests x "
           f"{args.new_tokens} new tokens, median of {args.reps}, CPU)")
     print()
@@ -175,12 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'invariant_check=strict':<34}{decode['strict']:>10.1f}{spread['strict']:>9.1%}"
           f"{strict_ratio:>9.3f}   (target >= 0.98)")
     print(f"{'kv_canary=log':<34}{decode['canary_log']:>10.1f}{spread['canary_log']:>9.1%}{canary_ratio:>9.3f}")
+    print(f"{'strict + kv_canary=log':<34}{decode['strict_canary']:>10.1f}"
+          f"{spread['strict_canary']:>9.1%}{paired('strict_canary'):>9.3f}")
+    print()
+    print(f"{'would-be syncs, worst decode step':<34}{'syncs':>10}{'added':>9}   (target: 0 added)")
+    for name, count in syncs.items():
+        print(f"{name:<34}{count:>10}{count - syncs['off']:>9}")
     print(json.dumps({
         "cold_start": {k: round(v, 4) for k, v in cold.items()},
         "decode_tok_s": {k: round(v, 2) for k, v in decode.items()},
         "decode_spread": {k: round(v, 4) for k, v in spread.items()},
         "ratio_strict_over_off": round(strict_ratio, 4),
         "ratio_canary_log_over_off": round(canary_ratio, 4),
+        "syncs_per_decode_step": syncs,
         "config": {"starts": args.starts, "reps": args.reps, "requests": args.requests,
                    "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_TOKENS},
     }))
