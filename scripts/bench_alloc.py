@@ -7,8 +7,9 @@
     an allocated bitmap and an append to a free list, on tensors of the same sizes.
 (b) alloc+free throughput through the SWA allocator on page sizes 1 and 16.
 
-Every variant runs in the same loop, in a rotating order, so that drift (frequency scaling, a
-noisy neighbour) lands on all of them alike; each figure is a median. The slots a repetition
+Each free_swa variant runs in its own loop, alternated call by call with the bare ops it is
+compared to, so that drift (frequency scaling, a noisy neighbour) lands on both sides alike;
+each figure is a median. The slots a repetition
 frees are allocated before its clock starts. The last line printed is one JSON object.
 """
 
@@ -103,29 +104,37 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_free_swa(iters: int, batch: int, device: torch.device) -> dict[str, float]:
-    """Median seconds per call of the bare ops and of free_swa at each level."""
-    bare = _BareFreeSwa(batch, device)
-    cases: dict[str, _FreeSwa] = {level.name: _FreeSwa(batch, device) for level in LEVELS}
-    cases |= {f"grouped_{level.name}": _FreeSwa(batch, device, grouped=True) for level in LEVELS}
-    samples: dict[str, list[float]] = {"bare": [], "bare_deferred": [], **{name: [] for name in cases}}
-    names = list(samples)
-    for rep in range(iters + 1):  # repetition 0 warms up and is discarded
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name.startswith("bare"):
-                idx = bare.setup()
-                run = bare.run if name == "bare" else bare.run_deferred
-                seconds = _time_once(lambda idx=idx, run=run: run(idx), device)
-            else:
-                case = cases[name]
-                with override_level(name.removeprefix("grouped_")):
+def _paired(iters: int, device: torch.device, run_bare, case: _FreeSwa, level: str,
+            bare: _BareFreeSwa) -> tuple[float, float]:
+    """Median seconds of the bare ops and of `case`, alternated call by call in one loop."""
+    bare_s, case_s = [], []
+    with override_level(level):
+        for rep in range(iters + 1):  # repetition 0 warms up and is discarded
+            for side in ("bare", "case") if rep % 2 else ("case", "bare"):
+                if side == "bare":
+                    idx = bare.setup()
+                    seconds = _time_once(lambda idx=idx: run_bare(idx), device)
+                else:
                     idx = case.setup()
-                    seconds = _time_once(lambda case=case, idx=idx: case.run(idx), device)
+                    seconds = _time_once(lambda idx=idx: case.run(idx), device)
                     case.teardown(idx)
-            if rep:
-                samples[name].append(seconds)
-    return {name: statistics.median(values) for name, values in samples.items()}
+                if rep:
+                    (bare_s if side == "bare" else case_s).append(seconds)
+    return statistics.median(bare_s), statistics.median(case_s)
+
+
+def bench_free_swa(iters: int, batch: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per call of free_swa at each level, each measured in a loop that alternates
+    it with the bare ops it must do (so both sides see the same machine state)."""
+    bare = _BareFreeSwa(batch, device)
+    out: dict[str, float] = {}
+    for level in LEVELS:
+        name = level.name
+        out[f"bare@{name}"], out[name] = _paired(iters, device, bare.run, _FreeSwa(batch, device),
+                                                 name, bare)
+        out[f"bare_deferred@{name}"], out[f"grouped_{name}"] = _paired(
+            iters, device, bare.run_deferred, _FreeSwa(batch, device, grouped=True), name, bare)
+    return out
 
 
 def bench_throughput(iters: int, batch: int, device: torch.device) -> dict[int, float]:
@@ -174,18 +183,18 @@ def main(argv: list[str] | None = None) -> int:
 
     free_swa = bench_free_swa(args.iters, args.batch, device)
     throughput = bench_throughput(args.iters, args.batch, device)
-    ratios = {level.name: free_swa[level.name] / free_swa["bare"] for level in LEVELS}
-    grouped = {level.name: free_swa[f"grouped_{level.name}"] / free_swa["bare_deferred"] for level in LEVELS}
+    ratios = {lv.name: free_swa[lv.name] / free_swa[f"bare@{lv.name}"] for lv in LEVELS}
+    grouped = {lv.name: free_swa[f"grouped_{lv.name}"] / free_swa[f"bare_deferred@{lv.name}"] for lv in LEVELS}
 
     head = f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}"
     print(f"{head}, median us/call")
     print(f"{'':<16}" + "".join(f"{level.name:>10}" for level in LEVELS))
-    print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare'] * 1e6:>10.1f}" for _ in LEVELS))
+    print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare@' + lv.name] * 1e6:>10.1f}" for lv in LEVELS))
     print(f"{'free_swa':<16}" + "".join(f"{free_swa[level.name] * 1e6:>10.1f}" for level in LEVELS))
     print(f"{'free_swa/bare':<16}" + "".join(f"{ratios[level.name]:>9.2f}x" for level in LEVELS))
     print()
     print("inside a free group (the engine's path: the release is batched at free_group_end)")
-    print(f"{'bare deferred':<16}" + "".join(f"{free_swa['bare_deferred'] * 1e6:>10.1f}" for _ in LEVELS))
+    print(f"{'bare deferred':<16}" + "".join(f"{free_swa['bare_deferred@' + lv.name] * 1e6:>10.1f}" for lv in LEVELS))
     print(f"{'free_swa':<16}" + "".join(f"{free_swa['grouped_' + level.name] * 1e6:>10.1f}" for level in LEVELS))
     print(f"{'free_swa/bare':<16}" + "".join(f"{grouped[level.name]:>9.2f}x" for level in LEVELS))
     print()
@@ -201,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "batch": args.batch,
                 "iters": args.iters,
-                "free_swa_us": {"bare": free_swa["bare"] * 1e6}
-                | {level.name.lower(): free_swa[level.name] * 1e6 for level in LEVELS},
+                "free_swa_us": {k.lower(): v * 1e6 for k, v in free_swa.items()},
                 "free_swa_over_bare": {level.name.lower(): ratios[level.name] for level in LEVELS},
                 "grouped_free_swa_over_bare": {level.name.lower(): grouped[level.name] for level in LEVELS},
                 "alloc_free_pairs_per_s": {str(page): rate for page, rate in throughput.items()},
