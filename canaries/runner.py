@@ -315,5 +315,12 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
 
 
 def _finish(report_dir: Path, records: list, durations: dict, write_junit) -> None:
-    with contextlib.suppress(Exception):
+    """The end-of-run files. A failure here is reported, never allowed to lose verdicts.jsonl."""
+    from canaries.report import write_kill_matrix
+    from canaries.scenario import known_detectors
+
+    try:
         write_junit(records, report_dir / "junit.xml", durations=durations)
+        write_kill_matrix(records, report_dir, known_detectors())
+    except Exception as exc:  # noqa: BLE001 - the verdicts are already on disk
+        print(f"canary: could not write the run summary files in {report_dir}: {exc}", file=sys.stderr)

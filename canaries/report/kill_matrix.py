@@ -1,0 +1,70 @@
+"""The kill matrix: perturbation kind x detector, over one run's verdicts.
+
+A cell lists the scenarios in which that kind landed and that detector fired after the landing.
+Beside it: detectors nothing fired (an invariant no scenario can kill) and scenarios whose
+perturbation landed but killed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["kill_matrix", "write_kill_matrix"]
+
+
+def _as_dict(record: Any) -> dict:
+    return record if isinstance(record, dict) else record.to_dict()
+
+
+def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = ()) -> dict:
+    """The matrix as a JSON-able dict: kinds, detectors, cells, and the two gap lists."""
+    cells: dict[str, dict[str, list[str]]] = {}
+    killed_nothing: list[str] = []
+    fired: set[str] = set()
+    for record in map(_as_dict, records):
+        kinds = sorted({landed.get("perturbation") for landed in record.get("landed", [])} - {None})
+        detectors = sorted({f["detector"] for f in record.get("firings", [])
+                            if f.get("latency") is not None and f["latency"] >= 0})
+        fired.update(detectors)
+        if kinds and not detectors:
+            killed_nothing.append(record["scenario"])
+        for kind in kinds:
+            row = cells.setdefault(kind, {})
+            for detector in detectors:
+                row.setdefault(detector, []).append(record["scenario"])
+    all_detectors = sorted(fired | set(known_detectors))
+    return {
+        "kinds": sorted(cells),
+        "detectors": all_detectors,
+        "cells": cells,
+        "detectors_never_fired": sorted(set(known_detectors) - fired),
+        "scenarios_killing_nothing": killed_nothing,
+    }
+
+
+def _markdown(matrix: dict) -> str:
+    detectors = [d for d in matrix["detectors"] if d not in matrix["detectors_never_fired"]]
+    lines = ["| kind | " + " | ".join(detectors) + " |", "|---" * (len(detectors) + 1) + "|"]
+    for kind in matrix["kinds"]:
+        row = matrix["cells"][kind]
+        lines.append(f"| {kind} | " + " | ".join(str(len(row.get(d, []))) if d in row else "."
+                                                 for d in detectors) + " |")
+    lines.append("")
+    lines.append(f"detectors nothing fired: {', '.join(matrix['detectors_never_fired']) or 'none'}")
+    lines.append(f"scenarios whose perturbation killed nothing: "
+                 f"{', '.join(matrix['scenarios_killing_nothing']) or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+def write_kill_matrix(records: Iterable[Any], report_dir: str | os.PathLike,
+                      known_detectors: Iterable[str] = ()) -> dict:
+    """Write `kill_matrix.json` and `kill_matrix.md` (cells count scenarios) into `report_dir`."""
+    matrix = kill_matrix(records, known_detectors)
+    report_dir = Path(report_dir)
+    (report_dir / "kill_matrix.json").write_text(json.dumps(matrix, indent=2) + "\n", encoding="utf-8")
+    (report_dir / "kill_matrix.md").write_text(_markdown(matrix), encoding="utf-8")
+    return matrix
