@@ -115,7 +115,8 @@ class _Pending:
     slots: torch.Tensor
     rows: torch.Tensor
     positions: torch.Tensor
-    requests: list[str]  # per element
+    rids: list[str]  # per request of the verification (empty for a sweep)
+    request_of: torch.Tensor | None  # per element: its index into `rids`
 
 
 class KVCanary:
@@ -165,16 +166,6 @@ class KVCanary:
         flat = torch.cat(words, dim=1)
         weights = (torch.arange(flat.shape[1], dtype=torch.int64, device=self.device) * 2 + 1) * _MIX_MULTIPLIERS[3]
         return _splitmix((flat * weights).sum(dim=1))
-
-    @staticmethod
-    def _positions(reqs: list[CanaryRequest], lo_of, hi_of) -> tuple[list[int], list[int], list[int]]:
-        req_idx, rows, positions = [], [], []
-        for i, req in enumerate(reqs):
-            lo, hi = lo_of(req), hi_of(req)
-            req_idx.extend([i] * (hi - lo))
-            rows.extend([req.row] * (hi - lo))
-            positions.extend(range(lo, hi))
-        return req_idx, rows, positions
 
     # ---- write ------------------------------------------------------------------------------
 
@@ -228,24 +219,29 @@ class KVCanary:
         """HEAD (before the forward: positions < prefix_len) or TAIL (after: < seq_len)."""
         if not self.enabled or not reqs:
             return
-        upto = (lambda r: r.prefix_len) if phase == "HEAD" else (lambda r: r.seq_len)
+        device = self.device
+        upto = [r.prefix_len if phase == "HEAD" else r.seq_len for r in reqs]
+        rows = torch.tensor([r.row for r in reqs], device=device)
         for group in self.groups:
-            lo_of = (lambda r: 0) if group == "FULL" else (lambda r, upto=upto: max(0, upto(r) - self.window))
-            req_idx, rows, positions = self._positions(reqs, lo_of, upto)
-            if not positions:
+            # FULL verifies every prefix position, SWA only the last window.
+            lo = [0] * len(reqs) if group == "FULL" else [max(0, u - self.window) for u in upto]
+            lens = [u - low for u, low in zip(upto, lo, strict=True)]
+            total = sum(lens)
+            if not total:
                 continue
-            rows_t = torch.tensor(rows, device=self.device)
-            pos_t = torch.tensor(positions, device=self.device)
-            slots = req_to_token[rows_t, pos_t].to(torch.int64)
-            # The chain of a position is checked against its predecessor when that is in range.
-            prev_in_range = [p == 0 or (i > 0 and positions[i - 1] == p - 1 and req_idx[i - 1] == req_idx[i])
-                             for i, p in enumerate(positions)]
-            prev_slots = req_to_token[rows_t, (pos_t - 1).clamp(min=0)].to(torch.int64)
-            self._verify_slots(
-                phase, group, slots, pos_t, prev_slots,
-                torch.tensor(prev_in_range, device=self.device),
-                [reqs[i].rid for i in req_idx], check_kv=(phase == "TAIL"), step=step,
-            )
+            lo_t = torch.tensor(lo, device=device)
+            lens_t = torch.tensor(lens, device=device)
+            request_of = torch.repeat_interleave(torch.arange(len(reqs), device=device), lens_t,
+                                                 output_size=total)
+            first_of_request = torch.cumsum(lens_t, 0) - lens_t
+            positions = torch.arange(total, device=device) - first_of_request[request_of] + lo_t[request_of]
+            element_rows = rows[request_of]
+            slots = req_to_token[element_rows, positions].to(torch.int64)
+            prev_slots = req_to_token[element_rows, (positions - 1).clamp(min=0)].to(torch.int64)
+            # A position's chain is checked against its predecessor when that is in range too.
+            check_chain = (positions == 0) | (positions > lo_t[request_of])
+            self._verify_slots(phase, group, slots, positions, prev_slots, check_chain,
+                               ([r.rid for r in reqs], request_of), check_kv=(phase == "TAIL"), step=step)
 
     def sweep(self, cached_paths: list, step: int) -> None:
         """Verify every slot the radix cache holds (chain, position and real-KV hash).
@@ -282,7 +278,7 @@ class KVCanary:
         positions: torch.Tensor,
         prev_slots: torch.Tensor,
         check_chain: torch.Tensor,
-        requests: list[str] | None,
+        requests: tuple[list[str], torch.Tensor] | None,
         *,
         check_kv: bool,
         step: int,
@@ -315,7 +311,7 @@ class KVCanary:
         self.stats["verify_full" if group == "FULL" else "verify_swa"] += int(slots.numel())
         self._pending.append(
             _Pending(phase, group, failed, stored_values, expected_values, slots, rows, positions,
-                     requests or [""] * int(slots.numel()))
+                     *(requests or ([], None)))
         )
 
     # ---- readout ------------------------------------------------------------------------------
@@ -353,7 +349,9 @@ class KVCanary:
                         violations.append(
                             CanaryViolation(
                                 reason, p.group, p.phase, int(p.slots[i]), int(p.rows[i]),
-                                int(p.positions[i]), p.requests[i], int(p.stored[reason][i]),
+                                int(p.positions[i]),
+                                p.rids[int(p.request_of[i])] if p.request_of is not None else "",
+                                int(p.stored[reason][i]),
                                 int(p.expected[reason][i]), step,
                             )
                         )
