@@ -10,8 +10,9 @@ hash, after the new records were written). Every `sweep_interval` steps a SWEEP 
 slot the radix cache holds. A token oracle (the sampled token, noted before anything can touch
 it) catches a write whose input token differs (`write_token`).
 
-Verification never reads the device: failures accumulate in device masks and counters, and
-`collect()` reads them once, at the end of a step, where the engine synchronizes anyway.
+Verification never reads the device: failures accumulate in device masks, `pending_counts()`
+stacks their sums, the scheduler reads them back with the step's sampled tokens (one copy), and
+`collect()` reads a mask only for a (verification, reason) that failed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ __all__ = ["CanaryViolation", "KVCanary", "REASONS", "CanaryRequest"]
 
 REASONS = ("verify_chain_hash", "verify_position", "verify_real_kv_hash", "write_token")
 GROUPS = ("FULL", "SWA")
-PHASES = ("HEAD", "TAIL", "SWEEP", "WRITE")
 
 _MASK64 = (1 << 64) - 1
 
