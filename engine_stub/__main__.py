@@ -7,6 +7,7 @@ a free port; either way it prints one line `engine_stub ready on http://HOST:POR
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -28,10 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
-    scenario_path = args.pop("scenario")
-    import os
-
-    scenario_path = scenario_path or os.environ.get("ENGINE_STUB_SCENARIO") or None
+    scenario_path = args.pop("scenario") or os.environ.get("ENGINE_STUB_SCENARIO") or None
     perturber, overrides = None, {}
     try:
         if scenario_path:

@@ -150,14 +150,6 @@ class EngineConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_pattern)
-
-    @property
-    def has_swa_layers(self) -> bool:
-        return "S" in self.layer_pattern
-
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

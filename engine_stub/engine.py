@@ -29,6 +29,7 @@ from engine_stub.invariants import (
     InvariantViolation,
     drain_firings,
     firing_from_device_assert,
+    hit_counts,
     reset_counters,
     set_default_level,
     set_firing_sink,
@@ -106,8 +107,8 @@ class Engine:
             gen = None
             if temperature > 0:
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{self.config.seed}:{rid}".encode()))
-            req = Req(rid, list(input_ids), max_new_tokens, temperature, self.received, gen,
-                      self._finisher(on_finish))
+            req = Req(rid, list(input_ids), max_new_tokens, temperature, generator=gen,
+                      on_finish=self._finisher(on_finish))
             self._pending[rid] = req
             self._inbox.append(req)
             self._cond.notify_all()
@@ -272,8 +273,6 @@ class Engine:
 
     def state(self) -> dict:
         """Pools, ledgers, hit counts, canary counters and exercise stats (a consistent snapshot)."""
-        from engine_stub.invariants import hit_counts
-
         with self.step_lock:
             sched = self.scheduler
             alloc = sched.allocator

@@ -24,7 +24,7 @@ from engine_stub.invariants import (
 if TYPE_CHECKING:
     from engine_stub.scheduler import Scheduler
 
-__all__ = ["IdleChecker", "IDLE_INVARIANTS"]
+__all__ = ["IdleChecker"]
 
 FULL_LEDGER = Invariant("idle.full_ledger", Bucket.GUARD, IsTrue(), site="idle_tick",
                         description="full pool: available + evictable + protected == total")
@@ -34,14 +34,12 @@ REQ_ROWS_LEDGER = Invariant("idle.req_rows_ledger", Bucket.GUARD, IsTrue(), site
                             description="request rows: free rows == max_running_requests")
 RADIX_SANITY = Invariant("idle.radix_sanity", Bucket.GUARD, IsTrue(), site="idle_tick",
                          description="radix cache: nothing locked, no tombstone leaf, mapping agrees")
-IDLE_INVARIANTS = (FULL_LEDGER, SWA_LEDGER, REQ_ROWS_LEDGER, RADIX_SANITY)
 
 
 class IdleChecker:
     def __init__(self, scheduler: Scheduler, *, strict: bool) -> None:
         self.scheduler = scheduler
         self.strict = strict
-        self.checks = 0
         self.max_mapping_nonidentity = 0
 
     def ledgers(self) -> dict:
@@ -67,7 +65,6 @@ class IdleChecker:
     def check(self) -> dict:
         """Evaluate the ledgers and radix sanity; log the result; crash if strict and broken."""
         sched = self.scheduler
-        self.checks += 1
         ledgers = self.ledgers()
         problems = sched.tree_cache.sanity_check() if sched.tree_cache else []
         drops = sched.allocator.drop_counts()

@@ -54,6 +54,7 @@ __all__ = [
     "registered_invariants",
     "reset_counters",
     "resolve_level",
+    "set_default_level",
     "set_firing_sink",
 ]
 

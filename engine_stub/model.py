@@ -174,10 +174,9 @@ class TinyHybridModel:
         """
         device = self.device
         extend_lens = batch.extend_lens
+        extend_lens_t = torch.tensor(extend_lens, device=device)
         req_of_token = torch.repeat_interleave(
-            torch.arange(len(extend_lens), device=device),
-            torch.tensor(extend_lens, device=device),
-            output_size=sum(extend_lens),
+            torch.arange(len(extend_lens), device=device), extend_lens_t, output_size=sum(extend_lens)
         )
         max_len = max(batch.seq_lens)
         rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=device)
@@ -197,7 +196,7 @@ class TinyHybridModel:
                 self._window_of(layer),
             )
             x = self._finish_layer(layer, x, attn)
-        last = torch.tensor(extend_lens, device=device).cumsum(0) - 1
+        last = extend_lens_t.cumsum(0) - 1
         return _rms_norm(x[last]) @ self.lm_head
 
     def _reference_hidden(self, token_ids: list[int]) -> torch.Tensor:

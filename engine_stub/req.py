@@ -34,7 +34,6 @@ class Req:
     origin_input_ids: list[int]
     max_new_tokens: int
     temperature: float = 0.0
-    arrival: int = 0
     generator: torch.Generator | None = None
     on_finish: Callable[[Req], None] | None = None
     output_ids: list[int] = field(default_factory=list)

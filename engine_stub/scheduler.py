@@ -3,7 +3,8 @@
 One `step()` is a prefill batch (when waiting requests can be admitted) or else a decode batch.
 Decode first slides every request's window (`free_swa` below the `swa_evicted_seqlen` frontier),
 then allocates one slot per request. A finished request goes into the radix cache (its
-window-evicted range as tombstones) or is freed. Every step's frees run inside one free group.
+window-evicted range as tombstones) or is freed. The frees of scheduling and those of finishing
+each run inside a free group.
 The KV canary brackets each forward; invariant counters and canary masks are read once, at the
 end of the step, where the engine synchronizes anyway to learn the sampled tokens.
 """
@@ -207,12 +208,15 @@ class Scheduler:
         """SWA slots one running request may hold between two window evictions."""
         return self.window + 2 * self.page_size
 
-    def _outstanding(self) -> tuple[int, int]:
-        """Full and SWA slots the running requests may still need (their reservations)."""
+    def _full_reserve(self, new_tokens: int) -> int:
+        """Full slots a request keeps in reserve for `new_tokens` more tokens (plus one page)."""
         page = self.page_size
-        full = sum(-(-r.remaining_new_tokens // page) * page + page for r in self.running)
-        swa = len(self.running) * self._swa_headroom()
-        return full, swa
+        return -(-new_tokens // page) * page + page
+
+    def _outstanding(self, reqs: list[Req]) -> tuple[int, int]:
+        """Full and SWA slots `reqs` may still need (their reservations)."""
+        full = sum(self._full_reserve(r.remaining_new_tokens) for r in reqs)
+        return full, len(reqs) * self._swa_headroom()
 
     def _schedule_prefill(self) -> list[Req]:
         if not self.waiting:
@@ -247,11 +251,8 @@ class Scheduler:
             return False
         lock = self.tree_cache.inc_lock_ref(match.last_node) if match is not None else None
         extend_tokens = -(-req.prompt_len // page) * page - prefix_len
-        full_outstanding, swa_outstanding = self._outstanding()
-        for r in admitted:
-            full_outstanding += -(-r.remaining_new_tokens // page) * page + page
-            swa_outstanding += self._swa_headroom()
-        need_full = extend_tokens + -(-req.max_new_tokens // page) * page + page + full_outstanding
+        full_outstanding, swa_outstanding = self._outstanding(self.running + admitted)
+        need_full = extend_tokens + self._full_reserve(req.max_new_tokens) + full_outstanding
         need_swa = extend_tokens + self._swa_headroom() + swa_outstanding
         evictable_full = self.tree_cache.full_evictable_size() if self.tree_cache else 0
         evictable_swa = self.tree_cache.swa_evictable_size() if self.tree_cache else 0
@@ -309,10 +310,11 @@ class Scheduler:
         if not reqs:
             return []
         self._evict_windows(reqs)
-        slots = self._alloc_decode(reqs)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        slots = self._alloc_decode(reqs, rows)
         if slots is None:
             self._evict_tree(len(reqs) * self.page_size, len(reqs) * self.page_size)
-            slots = self._alloc_decode(reqs)
+            slots = self._alloc_decode(reqs, rows)
         if slots is None:
             self.events.write("decode_stall", running=len(reqs),
                               full_available=self.allocator.full_available_size(),
@@ -326,17 +328,15 @@ class Scheduler:
             self._finish(youngest)
             return []
         table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=self.device)
         table[rows, cols] = slots.to(torch.int32)
         self._note_swa_use(slots)
         return reqs
 
-    def _alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+    def _alloc_decode(self, reqs: list[Req], rows: torch.Tensor) -> torch.Tensor | None:
         if self.page_size == 1:
             return self.allocator.alloc(len(reqs))
         table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
         cols = torch.tensor([r.kv_len - 1 for r in reqs], dtype=torch.int64, device=self.device)
         return self.allocator.alloc_decode([r.kv_len + 1 for r in reqs], table[rows, cols].to(torch.int64))
 
