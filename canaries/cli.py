@@ -34,10 +34,10 @@ class UsageError(Exception):
 
 
 def scenarios_dir() -> Path:
-    from canaries.runner import repo_root
+    from canaries.scenario import SCENARIO_DIR
 
     here = Path.cwd() / "configs" / "scenarios"
-    return here if here.is_dir() else repo_root() / "configs" / "scenarios"
+    return here if here.is_dir() else SCENARIO_DIR
 
 
 # ---- selection -----------------------------------------------------------------------------------
@@ -133,25 +133,14 @@ def _scenario_files(paths: Sequence[str]) -> list[Path]:
     return [Path(p) for p in sc.discover(paths)]
 
 
-def _format_problem(problem: Any) -> str:
-    file = getattr(problem, "file", None) or getattr(problem, "path", None)
-    line = getattr(problem, "line", None)
-    field = getattr(problem, "field", None)
-    message = getattr(problem, "message", None)
-    if file is None or message is None:
-        return str(problem)
-    where = f"{file}:{line}" if line else f"{file}"
-    return f"{where}: {field}: {message}" if field else f"{where}: {message}"
-
-
 def _problems(files: Sequence[Path]) -> list:
     from canaries import scenario as sc
 
-    return list(sc.validate_paths([str(f) for f in files]))
+    return sc.validate_paths(files)
 
 
 def load_scenarios(paths: Sequence[str]) -> list:
-    """Load and validate; UsageError listing every problem when any file is invalid."""
+    """Load and validate; UsageError listing every problem (duplicate names included)."""
     from canaries import scenario as sc
 
     files = _scenario_files(paths)
@@ -159,43 +148,28 @@ def load_scenarios(paths: Sequence[str]) -> list:
         raise UsageError("no scenario files found")
     problems = _problems(files)
     if problems:
-        raise UsageError("\n".join(_format_problem(p) for p in problems))
-    loaded = []
-    for f in files:
-        try:
-            loaded.append(sc.load_scenario(f))
-        except sc.ScenarioError as exc:
-            raise UsageError(str(exc)) from None
-    names = Counter(s.name for s in loaded)
-    dupes = [n for n, c in names.items() if c > 1]
-    if dupes:
-        raise UsageError(f"duplicate scenario names: {', '.join(sorted(dupes))}")
-    return loaded
+        raise UsageError("\n".join(str(p) for p in problems))
+    return [sc.load_scenario(f) for f in files]
 
 
 # ---- commands ------------------------------------------------------------------------------------
 
 
-def _summary(records: list, stream=None) -> None:
-    stream = stream or sys.stdout
+def _summary(records: list) -> None:
     if not records:
         return
-    width = max(len(_name(r)) for r in records)
-    print(f"\n{'scenario':<{width}}  {'verdict':<20}  {'time':>6}  reason", file=stream)
+    width = max(len(r.scenario) for r in records)
+    print(f"\n{'scenario':<{width}}  {'verdict':<20}  {'time':>6}  reason")
     for r in records:
         reason = (r.reason or "").replace("\n", " ")
         reason = reason if len(reason) <= 90 else reason[:87] + "..."
-        dur = (getattr(r, "extra", None) or {}).get("duration_s")
+        dur = r.extra.get("duration_s")
         dur_text = f"{dur:.1f}s" if isinstance(dur, (int, float)) else "-"
-        print(f"{_name(r):<{width}}  {r.verdict:<20}  {dur_text:>6}  {reason}", file=stream)
+        print(f"{r.scenario:<{width}}  {r.verdict:<20}  {dur_text:>6}  {reason}")
     counts = Counter(r.verdict for r in records)
     passed = sum(1 for r in records if r.passed)
     print(f"\n{passed}/{len(records)} passed; " + ", ".join(f"{v}: {c}" for v, c in
-                                                         sorted(counts.items())), file=stream)
-
-
-def _name(record: Any) -> str:
-    return str(getattr(record, "scenario", None) or getattr(record, "name", "?"))
+                                                         sorted(counts.items())))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -210,11 +184,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not scenarios:
         raise UsageError("no scenario matches the selection")
     if args.runtime == "docker":
-        from canaries.runtime import get_runtime
+        from canaries.runtime.docker_image import DockerUnavailable, get_client
 
         try:
-            get_runtime("docker")
-        except ValueError as exc:
+            get_client().close()  # fail now, not once per scenario
+        except DockerUnavailable as exc:
             raise UsageError(str(exc)) from None
     report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
     print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
@@ -264,18 +238,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif what == "profiles":
         from canaries import scenario as sc
 
-        profiles = sc.list_profiles()
-        items = profiles.items() if isinstance(profiles, dict) else [(p, None) for p in profiles]
-        for name, body in items:
-            print(f"{name}  {json.dumps(body, sort_keys=True) if body is not None else ''}".rstrip())
+        for name, body in sc.list_profiles().items():
+            print(f"{name}  {json.dumps(body, sort_keys=True)}")
     return EXIT_OK
 
 
 def _invariants() -> tuple:
-    import engine_stub.idle_check  # noqa: F401 - registers the idle invariants
-    import engine_stub.scheduler  # noqa: F401 - registers the memory-path invariants
+    from canaries.scenario import load_invariant_registry
     from engine_stub.invariants import registered_invariants
 
+    load_invariant_registry()
     return registered_invariants()
 
 
@@ -283,21 +255,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     files = _scenario_files(args.paths)
     problems = _problems(files)
     for p in problems:
-        print(_format_problem(p))
+        print(p)
     if problems:
-        bad = len({str(getattr(p, "file", "") or getattr(p, "path", "")) for p in problems})
+        bad = len({p.file for p in problems})
         print(f"{len(problems)} problem(s) in {bad} file(s)", file=sys.stderr)
         return EXIT_FAILED
     print(f"{len(files)} scenarios OK")
     return EXIT_OK
 
 
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-
-
 def cmd_new(args: argparse.Namespace) -> int:
+    from canaries.scenario import NAME_RE
+
     name = args.name
-    if not _NAME_RE.match(name):
+    if not NAME_RE.match(name):
         raise UsageError(f"{name!r}: a scenario name is lower-case letters, digits, '.', '_', '-'")
     source = Path(args.source)
     if not source.exists():

@@ -1,4 +1,4 @@
-"""Fixtures of the canary suite's own tests: run directories and scenario files in tmp_path."""
+"""Fixtures of the canary suite's own tests: scenario files in tmp_path, no engine left behind."""
 
 from __future__ import annotations
 
@@ -28,14 +28,6 @@ def assert_no_engine_left():
         assert engines_under(path) == [], f"engine processes survived the run under {path}"
 
     return check
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    """A fresh directory for one scenario run."""
-    path = tmp_path / "run"
-    path.mkdir()
-    return path
 
 
 @pytest.fixture

@@ -13,9 +13,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
+
+if TYPE_CHECKING:
+    from canaries.scenario import Workload
 
 __all__ = ["make_prompts", "drive", "rid_of", "prompt_range"]
 
@@ -27,43 +30,32 @@ def rid_of(i: int) -> str:
     return f"r{i:04d}"
 
 
-def _get(workload: Any, name: str, default: Any = None) -> Any:
-    if isinstance(workload, dict):
-        return workload.get(name, default)
-    return getattr(workload, name, default)
-
-
-def prompt_range(workload: Any) -> tuple[int, int]:
+def prompt_range(workload: Workload) -> tuple[int, int]:
     """(min, max) prompt length; `prompt_tokens` is a number or a [min, max] pair."""
-    raw = _get(workload, "prompt_tokens", 32)
+    raw = workload.prompt_tokens
     if isinstance(raw, int):
         return raw, raw
     lo, hi = (int(v) for v in raw)
     return min(lo, hi), max(lo, hi)
 
 
-def make_prompts(workload: Any, seed: int) -> list[list[int]]:
+def make_prompts(workload: Workload, seed: int) -> list[list[int]]:
     """The workload's prompts, a pure function of (workload, seed)."""
-    n = int(_get(workload, "requests", 1))
     lo, hi = prompt_range(workload)
-    shared = int(_get(workload, "shared_prefix_tokens", 0) or 0)
-    unique = _get(workload, "unique_prompts", True)
+    shared = workload.shared_prefix_tokens
     rng = random.Random(f"canary-prompts:{seed}")
     prefix = [rng.randint(TOKEN_LO, TOKEN_HI) for _ in range(shared)]
-    distinct = n
-    if not isinstance(unique, bool) and isinstance(unique, int) and unique > 0:
-        distinct = min(n, unique)  # a number: that many distinct prompts, reused in turn
     span = TOKEN_HI - TOKEN_LO + 1
-    base: list[list[int]] = []
-    for i in range(distinct):
+    prompts: list[list[int]] = []
+    for i in range(workload.requests):
         length = max(rng.randint(lo, hi), shared + 1)
         body = [rng.randint(TOKEN_LO, TOKEN_HI) for _ in range(length - shared)]
-        if unique:
+        if workload.unique_prompts:
             # Salt the first tokens after the shared prefix with the prompt's index.
             salt = [TOKEN_LO + (i // span**k) % span for k in range(SALT_TOKENS)]
             body[: len(salt)] = salt[: len(body)]
-        base.append(prefix + body)
-    return [list(base[i % distinct]) for i in range(n)]
+        prompts.append(prefix + body)
+    return prompts
 
 
 def _send(session_factory, base_url: str, rid: str, prompt: list[int], max_new_tokens: int,
@@ -97,7 +89,7 @@ def _send(session_factory, base_url: str, rid: str, prompt: list[int], max_new_t
     return record
 
 
-def drive(base_url: str, workload: Any, seed: int, deadline_s: float = 60.0,
+def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0,
           prompts: Sequence[list[int]] | None = None) -> list[dict]:
     """Send the workload; one record per request, in rid order.
 
@@ -105,9 +97,9 @@ def drive(base_url: str, workload: Any, seed: int, deadline_s: float = 60.0,
     error (the engine died) or a timeout is recorded, never raised.
     """
     prompts = list(prompts) if prompts is not None else make_prompts(workload, seed)
-    concurrency = max(1, int(_get(workload, "concurrency", 1) or 1))
-    max_new = int(_get(workload, "max_new_tokens", 16))
-    temperature = float(_get(workload, "temperature", 0.0) or 0.0)
+    concurrency = max(1, workload.concurrency)
+    max_new = workload.max_new_tokens
+    temperature = workload.temperature
     deadline = time.monotonic() + deadline_s
     local = threading.local()
     sessions: list[requests.Session] = []

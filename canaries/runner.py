@@ -9,7 +9,6 @@ and writes `junit.xml` at the end.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import os
@@ -62,21 +61,14 @@ def cancel_all() -> None:
     stop_all(timeout=3.0)
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def spec_for(scenario: Any, device: str | None = None) -> dict:
     """The engine's spec: `engine_spec(scenario)` plus the lockstep gate and a device override."""
     from canaries.scenario import engine_spec
 
-    spec = copy.deepcopy(engine_spec(scenario))
-    engine = spec.setdefault("engine", {})
-    workload = scenario.workload
-    engine["gate_requests"] = int(_get(workload, "requests"))
-    engine["gate_concurrency"] = int(_get(workload, "concurrency"))
+    spec = engine_spec(scenario)  # a fresh dict, its "engine" a fresh copy of the knobs
+    engine = spec["engine"]
+    engine["gate_requests"] = scenario.workload.requests
+    engine["gate_concurrency"] = scenario.workload.concurrency
     if device:
         engine["device"] = device
     return spec
@@ -182,7 +174,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2, default=str) + "\n", encoding="utf-8")
     workload = scenario.workload
-    seed = int(_get(scenario, "seed", 0) or 0)
+    seed = scenario.seed
     prompts = make_prompts(workload, seed)
     responses: list[dict] = []
     error: str | None = None
@@ -203,8 +195,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         mark("start")
         if on_started is not None:
             on_started(rt)
-        n = int(_get(workload, "requests"))
-        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * n)
+        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.requests)
         responses = drive_workload(base_url, workload, seed, deadline, prompts=prompts)
         mark("drive")
         timed_out = any(r.get("error") and ("Timeout" in r["error"] or "deadline" in r["error"])
@@ -222,14 +213,11 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         mark("stop")
     events = _read_events(run_dir / "events.jsonl")
     mismatches: list[dict] = []
-    expect = _get(scenario, "expect")
-    temperature = float(_get(workload, "temperature", 0.0) or 0.0)
-    if _get(expect, "clean", False) and temperature == 0 and responses:
+    if scenario.expect.clean and workload.temperature == 0 and responses:
         start_ev = next((e for e in events if e.get("kind") == "engine_start"), None)
         config = (start_ev or {}).get("config") or spec.get("engine", {})
         try:
-            mismatches = oracle_mismatches(config, prompts, responses,
-                                           int(_get(workload, "max_new_tokens")))
+            mismatches = oracle_mismatches(config, prompts, responses, workload.max_new_tokens)
         except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
             error = error or f"the output oracle failed: {type(exc).__name__}: {exc}"
     _write_jsonl(run_dir / "responses.jsonl",
@@ -242,45 +230,36 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                       error=error)
     record = judge(scenario, obs)
     duration = round(time.monotonic() - started, 3)
-    extra = getattr(record, "extra", None)
-    if isinstance(extra, dict):
-        extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
-                      "exit_code": exit_code, "phases_s": phases,
-                      "repro": f"canary run {_get(scenario, 'path', '')} --runtime {runtime}"
-                               + (f" --device {device}" if device else "")})
-    with contextlib.suppress(Exception):
-        (run_dir / "verdict.json").write_text(json.dumps(_record_dict(record, duration, run_dir),
-                                                         indent=2, default=str) + "\n")
+    record.extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
+                         "exit_code": exit_code, "phases_s": phases,
+                         "repro": f"canary run {scenario.path} --runtime {runtime}"
+                                  + (f" --device {device}" if device else "")})
+    with contextlib.suppress(OSError):
+        (run_dir / "verdict.json").write_text(json.dumps(record.to_dict(), indent=2, default=str)
+                                              + "\n")
     return record
-
-
-def _record_dict(record: Any, duration: float, run_dir: Path) -> dict:
-    return dict(record.to_dict())
 
 
 # ---- many scenarios ----------------------------------------------------------------------------
 
 
-def _print_progress(k: int, n: int, name: str, record: Any, duration: float,
-                    stream=None) -> None:
-    stream = stream or sys.stdout
+def _print_progress(k: int, n: int, name: str, record: Any, duration: float) -> None:
     reason = (getattr(record, "reason", "") or "").replace("\n", " ")
     if len(reason) > 120:
         reason = reason[:117] + "..."
     width = len(str(n))
     print(f"[{k:>{width}}/{n}] {name} {record.verdict} ({duration:.1f}s) {reason}",
-          file=stream, flush=True)
+          flush=True)
 
 
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
              runtime: str = "local", device: str | None = None, progress: bool = True) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml at the end."""
-    from canaries.report import append_verdict, write_junit
+    from canaries.report import append_verdict
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     verdicts_path = report_dir / "verdicts.jsonl"
-    lock = threading.Lock()
     records: dict[int, Any] = {}
     durations: dict[str, float] = {}
     n = len(scenarios)
@@ -295,28 +274,27 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     try:
         futures = [pool.submit(one, i, sc) for i, sc in enumerate(scenarios)]
         for fut in as_completed(futures):
-            i, record, dt = fut.result()
-            with lock:
-                records[i] = record
-                durations[scenarios[i].name] = round(dt, 3)
-                append_verdict(verdicts_path, record)
-                done += 1
-                if progress:
-                    _print_progress(done, n, scenarios[i].name, record, dt)
+            i, record, dt = fut.result()  # as_completed yields here, in this thread only
+            records[i] = record
+            durations[scenarios[i].name] = round(dt, 3)
+            append_verdict(verdicts_path, record)
+            done += 1
+            if progress:
+                _print_progress(done, n, scenarios[i].name, record, dt)
     except BaseException:
         cancel_all()
         pool.shutdown(wait=True, cancel_futures=True)
-        _finish(report_dir, [records[i] for i in sorted(records)], durations, write_junit)
+        _finish(report_dir, [records[i] for i in sorted(records)], durations)
         raise
     pool.shutdown(wait=True)
     ordered = [records[i] for i in sorted(records)]
-    _finish(report_dir, ordered, durations, write_junit)
+    _finish(report_dir, ordered, durations)
     return ordered
 
 
-def _finish(report_dir: Path, records: list, durations: dict, write_junit) -> None:
+def _finish(report_dir: Path, records: list, durations: dict) -> None:
     """The end-of-run files. A failure here is reported, never allowed to lose verdicts.jsonl."""
-    from canaries.report import write_kill_matrix
+    from canaries.report import write_junit, write_kill_matrix
     from canaries.scenario import known_detectors
 
     try:

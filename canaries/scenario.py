@@ -20,10 +20,12 @@ from typing import Any
 
 import yaml
 
+from canaries.verdict import VERDICTS
 from engine_stub import config as engine_config
-from engine_stub.config import ConfigError, EngineConfig, config_from_sources
+from engine_stub.config import KNOB_HELP, ConfigError, EngineConfig, config_from_sources
 from engine_stub.perturb.spec import (
     GROUP_WORDS,
+    PARAM_MINIMUMS,
     POSITION_WORDS,
     REQUEST_WORDS,
     TRIGGER_EVENTS,
@@ -59,10 +61,6 @@ DEFAULT_PROFILE = "cpu-tiny"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 TOP_KEYS = ("name", "description", "seed", "engine", "workload", "perturbations", "expect")
-WORKLOAD_KEYS = ("requests", "concurrency", "prompt_tokens", "shared_prefix_tokens",
-                 "max_new_tokens", "temperature", "unique_prompts")
-EXPECT_KEYS = ("clean", "fires", "within_steps", "silent", "engine", "disabled", "detected_by",
-               "verdict")
 ENGINE_OUTCOMES = ("crashes", "survives")
 # Knobs the harness owns (where the engine listens and logs, the lockstep gate), and the seed,
 # which a scenario sets once at top level.
@@ -129,6 +127,10 @@ class Expect:
     verdict: str | None = None
 
 
+WORKLOAD_KEYS = tuple(f.name for f in dataclasses.fields(Workload))
+EXPECT_KEYS = tuple(f.name for f in dataclasses.fields(Expect))
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A validated scenario. `engine` holds every engine knob resolved (profile < scenario keys),
@@ -167,8 +169,8 @@ def known_kinds() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1)
-def _populate_invariants() -> None:
-    # Importing these modules registers their invariants.
+def load_invariant_registry() -> None:
+    """Import the engine modules that define invariants, so the registry lists them all."""
     import engine_stub.idle_check  # noqa: F401
     import engine_stub.mem  # noqa: F401
     import engine_stub.scheduler  # noqa: F401
@@ -176,17 +178,11 @@ def _populate_invariants() -> None:
 
 def known_detectors() -> list[str]:
     """Every registered invariant name, then `kv_canary.<reason>` for each canary reason."""
-    _populate_invariants()
+    load_invariant_registry()
     from engine_stub.invariants import registered_invariants
     from engine_stub.kv_canary import REASONS
 
     return [inv.name for inv in registered_invariants()] + [f"kv_canary.{r}" for r in REASONS]
-
-
-def _verdict_names() -> tuple[str, ...]:
-    from canaries.verdict import VERDICTS
-
-    return VERDICTS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,9 +505,8 @@ def _expect(doc: _Doc, raw: Any, engine: dict[str, Any], n_perturbations: int) -
             values["engine"] = v
     if "verdict" in raw:
         v = raw["verdict"]
-        verdicts = _verdict_names()
-        if v not in verdicts:
-            doc.add("expect.verdict", f"{v!r} is not a verdict; valid verdicts: {', '.join(verdicts)}")
+        if v not in VERDICTS:
+            doc.add("expect.verdict", f"{v!r} is not a verdict; valid verdicts: {', '.join(VERDICTS)}")
         else:
             values["verdict"] = v
 
@@ -708,7 +703,7 @@ def list_profiles() -> dict[str, dict]:
 
 def _knob_schema(name: str, f: dataclasses.Field) -> dict:
     default = f.default
-    choices = getattr(engine_config, "_CHOICES", {}).get(name)
+    choices = engine_config.CHOICES.get(name)
     schema: dict[str, Any]
     if choices:
         schema = {"enum": list(choices)}
@@ -722,7 +717,7 @@ def _knob_schema(name: str, f: dataclasses.Field) -> dict:
         schema = {"type": "number"}
     else:
         schema = {"type": "string"}
-    help_text = getattr(engine_config, "KNOB_HELP", {}).get(name)
+    help_text = KNOB_HELP.get(name)
     if help_text:
         schema["description"] = help_text
     return schema
@@ -799,8 +794,8 @@ def json_schema() -> dict:
                         "trigger": trigger,
                         "target": target,
                         "params": {"type": "object", "additionalProperties": False,
-                                   "properties": {"extra_tokens": {"type": "integer"},
-                                                  "byte": {"type": "integer"}}},
+                                   "properties": {k: {"type": "integer", "minimum": m}
+                                                  for k, m in PARAM_MINIMUMS.items()}},
                     },
                 },
             },
@@ -817,7 +812,7 @@ def json_schema() -> dict:
                         "properties": {"reason": {"type": "string", "minLength": 1}, **knobs},
                     },
                     "detected_by": {**detectors, "minItems": 1},
-                    "verdict": {"enum": list(_verdict_names())},
+                    "verdict": {"enum": list(VERDICTS)},
                 },
                 "oneOf": [
                     {"required": ["clean"], "properties": {"clean": {"const": True}}},

@@ -19,8 +19,9 @@ def test_scenario(scenario, tmp_path: Path, assert_no_engine_left) -> None:
     record = run_scenario(scenario, tmp_path / scenario.name)
     assert_no_engine_left(tmp_path)
     assert record.passed, f"{scenario.name}: {record.verdict}: {record.reason} (run dir {tmp_path})"
-    if scenario.perturbations:
-        assert record.landed, f"{scenario.name}: no perturbation landed"
+    landed = {e.get("index") for e in record.landed}
+    assert landed == set(range(len(scenario.perturbations))), \
+        f"{scenario.name}: perturbations landed {sorted(landed)} of {len(scenario.perturbations)}"
 
 
 def test_library_is_big_enough_and_valid() -> None:

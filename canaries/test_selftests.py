@@ -16,7 +16,6 @@ import pytest
 
 from canaries.cli import main as canary_main
 from canaries.cli import match_k, parse_shard, select
-from canaries.conftest import engines_under
 from canaries.driver import make_prompts
 from canaries.runner import run_scenario, spec_for
 from canaries.runtime import get_runtime
@@ -25,13 +24,6 @@ from canaries.verdict import Observation, judge
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = {"requests": 4, "concurrency": 2, "prompt_tokens": [24, 40], "max_new_tokens": 32}
-
-
-def _assert_no_engine_left(path: Path) -> None:
-    deadline = time.monotonic() + 5
-    while engines_under(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert engines_under(path) == [], f"engine processes survived the run under {path}"
 
 
 def _doc(name: str, **over) -> dict:
@@ -43,49 +35,55 @@ def _doc(name: str, **over) -> dict:
     return doc
 
 
-def _run(write_scenario, tmp_path: Path, doc: dict, **kw):
-    scenario = load_scenario(write_scenario(doc))
-    run_dir = tmp_path / doc["name"]
-    record = run_scenario(scenario, run_dir, **kw)
-    _assert_no_engine_left(run_dir)
-    return record
+@pytest.fixture
+def run(write_scenario, tmp_path: Path, assert_no_engine_left):
+    """Run a scenario mapping end to end under tmp_path/<name>; no engine may outlive it."""
+
+    def go(doc: dict, **kw):
+        scenario = load_scenario(write_scenario(doc))
+        run_dir = tmp_path / doc["name"]
+        record = run_scenario(scenario, run_dir, **kw)
+        assert_no_engine_left(run_dir)
+        return record
+
+    return go
 
 
 # ---- verdicts that must fail -------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_trigger_that_never_matches_is_not_injected(write_scenario, tmp_path):
+def test_trigger_that_never_matches_is_not_injected(run):
     doc = _doc("never-lands", perturbations=[
         {"kind": "flip_kv_byte", "trigger": {"at_step": 100000},
          "target": {"request": 0, "positions": "last"}}],
         expect={"fires": ["kv_canary.verify_real_kv_hash"]})
-    record = _run(write_scenario, tmp_path, doc)
+    record = run(doc)
     assert record.verdict == "NOT_INJECTED", record.reason
     assert not record.passed
 
 
 @pytest.mark.slow
-def test_detection_outside_within_steps_is_late(write_scenario, tmp_path):
+def test_detection_outside_within_steps_is_late(run):
     # A leaked request is only seen by the idle ledgers, once the workload has drained.
     doc = _doc("late-ledger", engine={"profile": "cpu-tiny", "invariant_check": "strict",
                                       "strict_mem_check_during_idle": False, "kv_canary": "off"},
                perturbations=[{"kind": "leak_request", "trigger": {"event": "request_finish"},
                                "target": {"request": 0}}],
                expect={"fires": ["idle.req_rows_ledger"], "within_steps": 0})
-    record = _run(write_scenario, tmp_path, doc)
+    record = run(doc)
     assert record.verdict == "LATE", record.reason
     assert not record.passed
 
 
 @pytest.mark.slow
-def test_a_silent_detector_that_fires_is_wrong_detector(write_scenario, tmp_path):
+def test_a_silent_detector_that_fires_is_wrong_detector(run):
     doc = _doc("loud-silent", engine={"profile": "cpu-tiny", "invariant_check": "strict",
                                       "kv_canary": "off"},
                perturbations=[{"kind": "double_free_swa", "trigger": {"event": "first_swa_eviction"},
                                "target": {"request": 0}}],
                expect={"fires": ["alloc.double_free"], "silent": ["swa.peer_mapped"]})
-    record = _run(write_scenario, tmp_path, doc)
+    record = run(doc)
     assert record.verdict == "WRONG_DETECTOR", record.reason
     assert not record.passed
 
@@ -105,7 +103,7 @@ def test_a_control_whose_invariant_fires_is_a_false_alarm(write_scenario):
 
 
 @pytest.mark.slow
-def test_an_engine_killed_from_outside_is_inconclusive(write_scenario, tmp_path):
+def test_an_engine_killed_from_outside_is_inconclusive(run):
     doc = _doc("killed", workload={**WORKLOAD, "requests": 8, "max_new_tokens": 64},
                expect={"clean": True})
     pids = []
@@ -114,7 +112,7 @@ def test_an_engine_killed_from_outside_is_inconclusive(write_scenario, tmp_path)
         pids.append(rt.pid)
         threading.Timer(0.3, rt.kill, args=(signal.SIGKILL,)).start()
 
-    record = _run(write_scenario, tmp_path, doc, on_started=kill_soon)
+    record = run(doc, on_started=kill_soon)
     assert record.verdict == "INCONCLUSIVE", record.reason
     assert not record.passed
     assert pids and _stat_is_not_engine(pids[0])
@@ -128,8 +126,8 @@ def _stat_is_not_engine(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_control_run_passes_and_leaves_no_engine(write_scenario, tmp_path):
-    record = _run(write_scenario, tmp_path, _doc("control-ok", expect={"clean": True}))
+def test_a_control_run_passes_and_leaves_no_engine(run, tmp_path):
+    record = run(_doc("control-ok", expect={"clean": True}))
     assert record.verdict == "CLEAN", record.reason
     run_dir = tmp_path / "control-ok"
     for name in ("spec.json", "engine.log", "events.jsonl", "responses.jsonl", "verdict.json"):
@@ -139,13 +137,13 @@ def test_a_control_run_passes_and_leaves_no_engine(write_scenario, tmp_path):
 # ---- the runtime ------------------------------------------------------------------------------
 
 
-def test_an_engine_that_cannot_start_raises_with_its_log(tmp_path):
+def test_an_engine_that_cannot_start_raises_with_its_log(tmp_path, assert_no_engine_left):
     bad = tmp_path / "bad.json"
     bad.write_text('{"name": "bad", "engine": {"page_size": 0}}')
     with get_runtime("local") as rt, pytest.raises(RuntimeError, match="page_size"):
         rt.start(bad, tmp_path / "run")
-    assert rt.exit_code not in (None,)
-    _assert_no_engine_left(bad)
+    assert rt.exit_code is not None
+    assert_no_engine_left(bad)
 
 
 def test_unknown_runtime_names_the_valid_ones():
@@ -154,7 +152,7 @@ def test_unknown_runtime_names_the_valid_ones():
 
 
 @pytest.mark.slow
-def test_runtime_stops_the_engine_on_an_exception(write_scenario, tmp_path):
+def test_runtime_stops_the_engine_on_an_exception(write_scenario, tmp_path, assert_no_engine_left):
     scenario = load_scenario(write_scenario(_doc("ctx", expect={"clean": True})))
     import json
 
@@ -166,11 +164,11 @@ def test_runtime_stops_the_engine_on_an_exception(write_scenario, tmp_path):
         raise KeyError("boom")
     assert not rt.running
     assert rt.exit_code == 0  # SIGTERM drains and exits cleanly
-    _assert_no_engine_left(spec)
+    assert_no_engine_left(spec)
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_engine_and_exits_130(tmp_path):
+def test_ctrl_c_stops_every_engine_and_exits_130(tmp_path, assert_no_engine_left):
     report = tmp_path / "report"
     proc = subprocess.Popen(
         [sys.executable, "-m", "canaries.cli", "run", "-k", "clean-page1", "--jobs", "2",
@@ -183,7 +181,7 @@ def test_ctrl_c_stops_every_engine_and_exits_130(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out
-    _assert_no_engine_left(report)
+    assert_no_engine_left(report)
 
 
 # ---- selection and prompts ----------------------------------------------------------------------

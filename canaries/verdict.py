@@ -7,10 +7,10 @@ A detector is `<invariant>` for an `invariant_firing` event and `kv_canary.<reas
 Rules, first match wins:
 1. harness error, timeout, engine gone without a `crash` event (no `shutdown` either, exit code < 0 or unknown, or any other non-zero code), or a crash with cause `error` -> INCONCLUSIVE.
 2. clean scenario: any detector fired -> FALSE_ALARM; a non-200 response, an unexplained crash or an output that differs from the no-cache oracle -> INCONCLUSIVE; else CLEAN.
-3. perturbation scenario without a `perturbation_landed` event -> NOT_INJECTED.
+3. perturbation scenario in which some perturbation (by index) has no `perturbation_landed` event -> NOT_INJECTED.
 4. a detector listed in `expect.silent` fired -> WRONG_DETECTOR.
 5. any detector fired before the first perturbation landed -> FALSE_ALARM.
-6. disabled scenario: `engine_start` must show every disabled knob in force (else INCONCLUSIVE); engine expectation mismatched -> INCONCLUSIVE; every `detected_by` detector fired -> DISABLED_AS_DECLARED, else MISSED.
+6. disabled scenario: `engine_start` must show every disabled knob in force (else INCONCLUSIVE); a `detected_by` detector did not fire -> MISSED; engine expectation mismatched -> INCONCLUSIVE; else DISABLED_AS_DECLARED.
 7. fires scenario: no expected detector fired (an invariant must fire with its registered bucket) -> WRONG_DETECTOR if another detector fired, else MISSED; only some fired -> MISSED naming the rest; a latency above `within_steps` -> LATE; engine expectation (crashes|survives) mismatched -> INCONCLUSIVE; else DETECTED.
 8. `expect.verdict` set (a negative test): passed = (verdict == expect.verdict); otherwise passed = verdict in PASSING.
 """
@@ -84,10 +84,10 @@ def detector_of(event: dict) -> str | None:
 
 
 def _registered_bucket(name: str) -> str | None:
-    from canaries.scenario import _populate_invariants
+    from canaries.scenario import load_invariant_registry
     from engine_stub.invariants import get_invariant
 
-    _populate_invariants()
+    load_invariant_registry()
     try:
         return get_invariant(name).bucket.name
     except KeyError:
@@ -124,6 +124,7 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
     landed = [{k: v for k, v in e.items() if k != "ts"} for e in events
               if e.get("kind") == "perturbation_landed"]
     first_landed = min((_step(e) for e in landed), default=None)
+    landed_indices = {e.get("index") for e in landed}
     crash = next((e for e in reversed(events) if e.get("kind") == "crash"), None)
     shutdown = any(e.get("kind") == "shutdown" for e in events)
     engine_start = next((e for e in events if e.get("kind") == "engine_start"), None)
@@ -163,7 +164,7 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
             if registered is not None and e.get("bucket") != registered:
                 wrong_bucket.setdefault(det, f"{e.get('bucket')} (registered {registered})")
                 continue
-        detected.setdefault(det, latency if latency is not None else 0)
+        detected.setdefault(det, step - first_landed)
 
     expected = tuple(ex.fires) + tuple(ex.detected_by)
     latency_map: dict[str, int | None] = {d: detected.get(d) for d in (*expected, *sorted(fired))}
@@ -205,10 +206,14 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
                                         + ", ".join(map(str, obs.oracle_mismatches)))
             return "CLEAN", "no detector fired and every output matched the no-cache oracle"
 
-        # 3. Did the fault land at all?
-        if not landed:
+        # 3. Did every fault land?
+        unlanded = [i for i in range(len(s.perturbations)) if i not in landed_indices]
+        if not landed or unlanded:
             also = f" ({_names(fired)} fired anyway)" if fired else ""
-            return "NOT_INJECTED", f"no perturbation landed{also}"
+            if not landed:
+                return "NOT_INJECTED", f"no perturbation landed{also}"
+            what = ", ".join(f"perturbations[{i}] ({s.perturbations[i].kind})" for i in unlanded)
+            return "NOT_INJECTED", f"{what} never landed{also}"
 
         # 4. Specificity.
         loud = sorted(set(ex.silent) & fired)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EngineConfig", "ConfigError", "config_from_sources", "add_config_flags", "KNOB_HELP"]
+__all__ = ["CHOICES", "EngineConfig", "ConfigError", "config_from_sources", "add_config_flags", "KNOB_HELP"]
 
 ENV_PREFIX = "ENGINE_STUB_"
 
@@ -49,7 +49,7 @@ KNOB_HELP: dict[str, str] = {
     "gate_timeout_s": "longest a gated step waits for the driver before it goes on without it",
 }
 
-_CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "invariant_check": ("off", "warn", "strict"),
     "kv_canary": ("off", "log", "raise"),
@@ -102,7 +102,7 @@ class EngineConfig:
             # user most likely just changed), not a default it happens to clash with.
             return max(names, key=rank)
 
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise bad(name, f"must be one of {'|'.join(choices)}")
         for name in ("page_size", "window", "full_pool_tokens", "swa_pool_tokens",
@@ -187,7 +187,7 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
             return float(raw)
         if name == "invariant_check":
             return {"0": "off", "1": "warn", "2": "strict"}.get(str(raw).strip().lower(), str(raw).strip().lower())
-        if name in _CHOICES:
+        if name in CHOICES:
             return str(raw).strip().lower()
         return str(raw)
     except (TypeError, ValueError) as exc:

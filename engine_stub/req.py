@@ -27,7 +27,9 @@ class Req:
     """A request. Lengths are in tokens; positions `[0, kv_len)` have KV in the pools.
 
     `cache_protected_len` positions came from the radix cache and stay the tree's;
-    `swa_evicted_seqlen` is the window-eviction frontier: SWA peers below it are released.
+    `swa_evicted_seqlen` is the window-eviction frontier: SWA peers below it are released (or, below
+    `cache_protected_len`, the tree's business); admission starts it at `cache_protected_len`, and
+    it only moves up.
     """
 
     rid: str

@@ -348,10 +348,9 @@ class Scheduler:
         """
         table = self.req_to_token_pool.req_to_token
         for req in reqs:
-            frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
+            frontier = req.swa_evicted_seqlen
             new_frontier = _page_floor(max(frontier, req.kv_len - self.window), self.page_size)
             if new_frontier <= frontier:
-                req.swa_evicted_seqlen = frontier
                 continue
             slots = table[req.row, frontier:new_frontier].to(torch.int64)
             overridden = self._hook(Site.ON_WINDOW_EVICTION, req=req, slots=slots,
@@ -385,7 +384,7 @@ class Scheduler:
         page = self.page_size
         kv_len = req.kv_len
         slots = self.req_to_token_pool.req_to_token[req.row, :kv_len].to(torch.int64)
-        frontier = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        frontier = req.swa_evicted_seqlen
         if self.tree_cache is None:
             self.allocator.free_full(slots[:frontier])
             self.allocator.free(slots[frontier:])

@@ -3,16 +3,16 @@
     python scripts/bench_engine.py [--starts N] [--reps R] [--requests B] [--new-tokens T]
 
 (a) Cold start: wall time until `python -c "import torch; print(...)"` prints its line, against
-    `python -m engine_stub --port 0` until it prints `engine_stub ready on http://...` (and
-    listens; each in a fresh process; the server is then stopped with SIGTERM), N of each,
-    interleaved; medians and their difference.
-(c) Would-be device syncs (engine_stub.synccheck) of the worst decode step per variant, and how
-    many the checks add over the variant with every check off.
+    `python -m engine_stub --port 0` until it prints `engine_stub ready on http://...` (printed
+    once it listens), each in a fresh process (the server is then stopped with SIGTERM), N of
+    each, interleaved; medians and their difference.
 (b) Decode throughput of the in-process scheduler, driven by `scheduler.step()` on a fixed
     workload (B requests x T new tokens, prefilled together; only decode steps are timed), with
     invariant_check off and strict (kv_canary off), and kv_canary off and log (invariant_check
     off). The variants run in a rotating order within each repetition, so that drift lands on all
     of them alike; figures are medians; ratios are variant / baseline throughput.
+(c) Would-be device syncs (engine_stub.synccheck) of the worst decode step per variant, and how
+    many the checks add over the variant with every check off.
 
 The last line printed is one JSON object.
 """
@@ -139,10 +139,6 @@ def _decode_run(variant: str, requests: int, new_tokens: int, workdir: Path, rep
         engine.stop(drain_timeout_s=0)
 
 
-def _decode_tok_s(variant: str, requests: int, new_tokens: int, workdir: Path, rep: int) -> float:
-    return _decode_run(variant, requests, new_tokens, workdir, rep)
-
-
 def bench_syncs(requests: int, new_tokens: int, workdir: Path) -> dict[str, int]:
     """Would-be device syncs of the worst decode step, per variant (synccheck, on CPU)."""
     return {name: int(_decode_run(name, requests, new_tokens, workdir, -2, count_syncs_per_step=True))
@@ -152,12 +148,12 @@ def bench_syncs(requests: int, new_tokens: int, workdir: Path) -> dict[str, int]
 def bench_decode(reps: int, requests: int, new_tokens: int, workdir: Path) -> dict[str, list[float]]:
     names = list(DECODE_VARIANTS)
     for name in names:  # warm-up: first-call costs land on no variant
-        _decode_tok_s(name, requests, min(new_tokens, 8), workdir, -1)
+        _decode_run(name, requests, min(new_tokens, 8), workdir, -1)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(_decode_tok_s(name, requests, new_tokens, workdir, rep))
+            samples[name].append(_decode_run(name, requests, new_tokens, workdir, rep))
     return samples
 
 

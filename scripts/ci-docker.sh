@@ -2,9 +2,10 @@
 # Set up what the docker runtime needs, idempotently (CI, or a developer machine as root):
 #   1. packages   docker.io + debootstrap, only when dockerd or debootstrap is missing
 #   2. engine     start dockerd, only when `docker info` fails
-#   3. base       the local stand-in for python:3.11-slim (docker/make-base-image.sh)
-#   4. wheels     the wheelhouse in docker/wheels (the torch 2.13.0 CPU build + runtime deps)
-#   5. image      the engine image, through the same code as DockerRuntime.ensure_image
+#   3. sdk        the docker SDK for Python, only when it is missing
+#   4. base       the local stand-in for python:3.11-slim (docker/make-base-image.sh)
+#   5. wheels     the wheelhouse in docker/wheels (the torch 2.13.0 CPU build + runtime deps)
+#   6. image      the engine image, through the same code as DockerRuntime.ensure_image
 # and print how long each step took (on stderr).
 #
 # When this run starts dockerd it writes the PID to $CANARY_DOCKERD_PIDFILE

@@ -1,7 +1,7 @@
 """The docker runtime against a real Docker engine (scripts/ci-docker.sh provides one in CI).
 
-Every test is marked `docker`; those that need an engine skip, with the reason, when none can be
-reached. The first one builds the engine image when its sources changed (about a minute cold).
+Every test is marked `docker`; those that need an engine skip, with the reason, only when none can
+be reached. The first one builds the engine image when its sources changed (about a minute cold).
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
+
+import docker  # the [dev] extra has the SDK: a missing one is a failure, not a skip
+from canaries.runtime import docker as dr
+from canaries.runtime import get_runtime
+from canaries.runtime.docker import DockerRuntime, DockerUnavailable
 
 pytestmark = pytest.mark.docker
-
-docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
-requests = pytest.importorskip("requests")
-
-from canaries.runtime import docker as dr  # noqa: E402
-from canaries.runtime import get_runtime  # noqa: E402
-from canaries.runtime.docker import DockerRuntime, DockerUnavailable  # noqa: E402
 
 CRASH_SPEC = {
     "name": "x",

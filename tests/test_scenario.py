@@ -138,6 +138,13 @@ def test_load_bad_trigger_event_lists_valid_events(tmp_path: Path) -> None:
     assert p.line == 8 and "window_cross" in p.message and "first_swa_eviction" in p.message
 
 
+def test_load_bad_param_is_reported_on_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("    target: {request: 0, positions: in_window}\n",
+                                         "    target: {request: 0, positions: in_window}\n    params: {byte: -1}\n"))
+    p = only(problems_of(path), "perturbations[0].params.byte")
+    assert p.line == 10 and ">= 0" in p.message
+
+
 def test_load_unknown_detector_lists_valid_detectors(tmp_path: Path) -> None:
     path = write(tmp_path, VALID.replace("fires: [swa.peer_mapped]", "fires: [swa.peer_mappd]"))
     p = only(problems_of(path), "expect.fires[0]")
@@ -184,7 +191,7 @@ def test_load_disabled_without_reason_is_an_error(tmp_path: Path) -> None:
         expect:
           disabled: {invariant_check: off}
           detected_by: [kv_canary.verify_chain_hash]
-        """).replace("kv_canary: raise}", "kv_canary: raise, invariant_check: off}")
+        """)
     text = text.replace("kv_canary: raise}", "kv_canary: raise, invariant_check: off}")
     assert only(problems_of(write(tmp_path, text)), "expect.disabled.reason").line == 11
 
@@ -259,7 +266,7 @@ def test_json_schema_has_every_top_level_key() -> None:
 
 
 def test_json_schema_accepts_valid_and_rejects_unknown_keys() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     import yaml
 
     schema = json_schema()

@@ -35,7 +35,7 @@ def start(**config: object) -> dict:
 
 
 def landed(step: int) -> dict:
-    return ev("perturbation_landed", step, index=0, perturbation="strip_swa_mapping", site="free_swa",
+    return ev("perturbation_landed", step, index=0, perturbation="strip_swa_mapping", site="before_step",
               rid="r0", before={}, after={})
 
 
@@ -155,6 +155,17 @@ def test_judge_clean_run_with_bad_output_is_inconclusive(kw: dict, fragment: str
     record = judge(scenario(CLEAN, perturbed=False), obs([start(), shutdown(9)], 0, **kw))
     assert record.verdict == "INCONCLUSIVE" and fragment in record.reason
     assert record.signature == "INCONCLUSIVE||control"
+
+
+def test_judge_a_perturbation_that_never_landed_is_not_injected() -> None:
+    # The second perturbation (the one the first only sets up) never landed: a miss proves nothing.
+    two = replace(scenario(replace(FIRES, verdict="MISSED")),
+                  perturbations=(PerturbationSpec("revert_pr_36723"), PerturbationSpec("double_free_swa")))
+    record = judge(two, obs([start(), landed(5), shutdown(9)], 0))
+    assert record.verdict == "NOT_INJECTED" and not record.passed
+    assert "perturbations[1] (double_free_swa) never landed" in record.reason
+    both = [start(), landed(5), {**landed(6), "index": 1}, shutdown(9)]
+    assert judge(two, obs(both, 0)).verdict == "MISSED"
 
 
 def test_judge_killed_engine_reason_names_exit_code() -> None:

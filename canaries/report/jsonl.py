@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_verdict", "read_verdicts"]
+__all__ = ["append_verdict", "as_dict", "read_verdicts"]
 
 
-def _as_dict(record: Any) -> dict:
+def as_dict(record: Any) -> dict:
+    """A VerdictRecord (or anything with `to_dict`) as its dict; a dict as itself."""
     if isinstance(record, dict):
         return record
     to_dict = getattr(record, "to_dict", None)
@@ -27,7 +28,7 @@ def append_verdict(path: str | os.PathLike, record: Any) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(_as_dict(record), sort_keys=False, default=str) + "\n"
+    line = json.dumps(as_dict(record), sort_keys=False, default=str) + "\n"
     with open(path, "ab") as f:
         if f.tell() > 0:
             with open(path, "rb") as r:

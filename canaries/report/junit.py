@@ -13,11 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from canaries.report.jsonl import as_dict
+
 __all__ = ["write_junit"]
-
-
-def _as_dict(record: Any) -> dict:
-    return record if isinstance(record, dict) else record.to_dict()
 
 
 def write_junit(
@@ -28,7 +26,7 @@ def write_junit(
 ) -> None:
     """Write the JUnit XML for `records` (VerdictRecords or their dicts) atomically to `path`."""
     durations = durations or {}
-    rows = [_as_dict(r) for r in records]
+    rows = [as_dict(r) for r in records]
     suite = ET.Element("testsuite", name=suite_name)
     failures = errors = 0
     total_time = 0.0

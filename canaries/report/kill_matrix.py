@@ -13,11 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from canaries.report.jsonl import as_dict
+
 __all__ = ["kill_matrix", "write_kill_matrix"]
-
-
-def _as_dict(record: Any) -> dict:
-    return record if isinstance(record, dict) else record.to_dict()
 
 
 def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = ()) -> dict:
@@ -25,7 +23,7 @@ def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = ()) -> 
     cells: dict[str, dict[str, list[str]]] = {}
     killed_nothing: list[str] = []
     fired: set[str] = set()
-    for record in map(_as_dict, records):
+    for record in map(as_dict, records):
         kinds = sorted({landed.get("perturbation") for landed in record.get("landed", [])} - {None})
         detectors = sorted({f["detector"] for f in record.get("firings", [])
                             if f.get("latency") is not None and f["latency"] >= 0})

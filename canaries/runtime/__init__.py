@@ -1,4 +1,4 @@
-"""Runtimes: where an engine under test runs (a local subprocess now, a container later)."""
+"""Runtimes: where an engine under test runs (a local subprocess, or a container)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ def get_runtime(name: str, **kwargs):
     if name == "local":
         return LocalRuntime(**kwargs)
     if name == "docker":
-        try:
-            from canaries.runtime.docker import DockerRuntime  # type: ignore[import-not-found]
-        except ImportError as exc:
-            raise ValueError(f"runtime 'docker' is not available here ({exc}); "
-                             f"valid runtimes: {', '.join(RUNTIMES)}") from None
+        from canaries.runtime.docker import DockerRuntime
+
         return DockerRuntime(**kwargs)
     raise ValueError(f"unknown runtime {name!r}; valid runtimes: {', '.join(RUNTIMES)}")

@@ -41,6 +41,7 @@ from canaries.runtime.docker_image import (
     get_client,
     image_tag,
 )
+from canaries.runtime.local import serves, tail_text
 
 __all__ = [
     "DockerRuntime",
@@ -91,7 +92,7 @@ def _is_leftover(container: Any) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False
+        pass
     return False
 
 
@@ -144,10 +145,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-.")[:40] or "run"
 
 
-def _tail_text(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:]) or "(engine log is empty)"
-
-
 class DockerRuntime:
     """One engine container. Use as a context manager; `stop()` is idempotent."""
 
@@ -170,14 +167,11 @@ class DockerRuntime:
         self.container: Any = None
         self.base_url: str | None = None
         self.host_port: int | None = None
-        self.port_bindings: list[dict] = []
         self.run_dir: Path | None = None
         self.log_path: Path | None = None
         self.event_log: Path | None = None
         self.command: list[str] | None = None
         self.raw_exit_code: int | None = None
-        self.oom_killed: bool | None = None
-        self.start_to_healthy_s: float | None = None
         self._exit_code: int | None = None
         self._stopped = False
         self._restore: tuple[int, int, int, int] | None = None  # mode, uid, gid, container uid
@@ -260,7 +254,6 @@ class DockerRuntime:
             kwargs["device_requests"] = [docker.types.DeviceRequest(count=-1,
                                                                     capabilities=[["gpu"]])]
         safety.install_sigterm_handler()
-        t0 = time.monotonic()
         try:
             self.container = self.client.containers.create(**kwargs)
         except BaseException:
@@ -272,7 +265,6 @@ class DockerRuntime:
             self.host_port = self._published_port()
             self.base_url = f"http://127.0.0.1:{self.host_port}"
             self._wait_healthy()
-            self.start_to_healthy_s = time.monotonic() - t0
         except BaseException:
             self.stop(timeout=2)
             raise
@@ -311,7 +303,6 @@ class DockerRuntime:
             bindings = (self.container.attrs.get("NetworkSettings", {}).get("Ports") or {}) \
                 .get(f"{CONTAINER_PORT}/tcp")
             if bindings:
-                self.port_bindings = list(bindings)
                 return int(bindings[0]["HostPort"])
             if self.container.status in ("exited", "dead") or time.monotonic() > deadline:
                 raise RuntimeError(self._exited_message("before its port was published"))
@@ -326,17 +317,9 @@ class DockerRuntime:
         return f"{what} {when}; log tail (container {self.container.name}):\n{self.log_tail()}"
 
     def _wait_healthy(self) -> None:
-        import requests
-
+        assert self.base_url is not None
         deadline = time.monotonic() + self.ready_timeout
-        url = f"{self.base_url}/health"
-        while True:
-            try:
-                # Any HTTP answer means uvicorn serves (a crashed engine answers 503).
-                requests.get(url, timeout=2).close()
-                return
-            except requests.RequestException:
-                pass
+        while not serves(self.base_url):
             self.container.reload()
             if self.container.status in ("exited", "dead"):
                 raise RuntimeError(self._exited_message("before it was ready"))
@@ -358,9 +341,7 @@ class DockerRuntime:
         except Exception:  # noqa: BLE001 - gone, or the engine went away
             return self._exit_code
         if container.status in ("exited", "dead"):
-            state = container.attrs.get("State", {})
-            self.raw_exit_code = state.get("ExitCode")
-            self.oom_killed = state.get("OOMKilled")
+            self.raw_exit_code = container.attrs.get("State", {}).get("ExitCode")
             self._exit_code = _map_exit(self.raw_exit_code, False)
             return self._exit_code
         return None
@@ -424,9 +405,6 @@ class DockerRuntime:
                         container.stop(timeout=max(1, math.ceil(timeout)))
                     if container.status != "created":
                         raw = container.wait(timeout=timeout + 30).get("StatusCode")
-                    with contextlib.suppress(Exception):
-                        container.reload()
-                        self.oom_killed = container.attrs.get("State", {}).get("OOMKilled")
                 except Exception:  # noqa: BLE001 - gone or unresponsive: removal below
                     raw = self.raw_exit_code
                 self.raw_exit_code = raw
@@ -450,12 +428,12 @@ class DockerRuntime:
     def log_tail(self, lines: int = 30) -> str:
         if self.container is not None and not self._stopped:
             with contextlib.suppress(Exception):
-                return _tail_text(self.container.logs(tail=lines).decode("utf-8", "replace"),
-                                  lines)
+                return tail_text(self.container.logs(tail=lines).decode("utf-8", "replace"),
+                                 lines)
         if self.log_path is not None:
             with contextlib.suppress(OSError):
-                return _tail_text(self.log_path.read_text(encoding="utf-8", errors="replace"),
-                                  lines)
+                return tail_text(self.log_path.read_text(encoding="utf-8", errors="replace"),
+                                 lines)
         return "(no engine log)"
 
     def __enter__(self) -> DockerRuntime:

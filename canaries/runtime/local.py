@@ -20,16 +20,33 @@ from pathlib import Path
 
 from canaries.runtime import safety
 
-__all__ = ["LocalRuntime"]
+__all__ = ["LocalRuntime", "serves", "tail_text"]
 
 READY_RE = re.compile(r"engine_stub ready on (http://\S+)")
+
+
+def tail_text(text: str, lines: int = 30) -> str:
+    """The last `lines` lines of an engine's output (both runtimes' log tails)."""
+    return "\n".join(text.splitlines()[-lines:]) or "(engine log is empty)"
+
+
+def serves(base_url: str) -> bool:
+    """Whether the engine answers HTTP at all (a crashed engine answers /health with 503)."""
+    import requests
+
+    try:
+        requests.get(f"{base_url}/health", timeout=2).close()
+    except requests.RequestException:
+        return False
+    return True
+
 
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "(no engine log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(engine log is empty)"
+    return tail_text(text, lines)
 
 
 class LocalRuntime:
@@ -98,7 +115,7 @@ class LocalRuntime:
             except OSError:
                 text = ""
             match = READY_RE.search(text)
-            if match and self._answers(match.group(1)):
+            if match and serves(match.group(1)):
                 return match.group(1)
             code = self.proc.poll()
             if code is not None:
@@ -108,17 +125,6 @@ class LocalRuntime:
                 raise RuntimeError(f"the engine was not ready within {self.ready_timeout:.0f}s; "
                                    f"log tail ({self.log_path}):\n{_tail(self.log_path)}")
             time.sleep(0.05)
-
-    @staticmethod
-    def _answers(base_url: str) -> bool:
-        """The ready line comes before uvicorn listens: wait until /health answers at all."""
-        import requests
-
-        try:
-            requests.get(f"{base_url}/health", timeout=2).close()
-        except requests.RequestException:
-            return False
-        return True
 
     def poll(self) -> int | None:
         """The exit code if the engine has exited, else None."""

@@ -83,12 +83,25 @@ def _pick_requests(ctx: KindContext, candidates: list[Req]) -> list[Req]:
     return [candidates[want]] if want < len(candidates) else []
 
 
+def _site_target(ctx: KindContext) -> Req | None:
+    """The hook's own request (site_ctx["req"]) if the target selects it among the running ones
+    (at request finish it has already left `running`; it is counted in its rid place)."""
+    req = ctx.site_ctx["req"]
+    candidates = sorted({*_running(ctx), req}, key=lambda r: r.rid)
+    return req if req in _pick_requests(ctx, candidates) else None
+
+
+def _window_start(sched: Scheduler, req: Req) -> int:
+    """The oldest position of `req` still inside the window with its SWA KV (the next to slide out)."""
+    return max(req.kv_len - sched.window, req.swa_evicted_seqlen)
+
+
 def _positions(ctx: KindContext, req: Req) -> list[int]:
     """Target positions of `req` whose KV exists (see TargetSpec)."""
     target, sched = ctx.spec.target, ctx.sched
-    kv_len, frontier = req.kv_len, max(req.swa_evicted_seqlen, req.cache_protected_len)
+    kv_len, frontier = req.kv_len, req.swa_evicted_seqlen
     if target.positions == "in_window":
-        start = max(kv_len - sched.window, frontier)
+        start = _window_start(sched, req)
     elif target.positions == "out_of_window":
         start = frontier - target.count
         if start < 0:
@@ -111,7 +124,7 @@ def _ints(t: torch.Tensor) -> list[int]:
 
 
 def _first_in_window_slot(ctx: KindContext, req: Req) -> tuple[int, int] | None:
-    pos = max(req.kv_len - ctx.sched.window, req.swa_evicted_seqlen, req.cache_protected_len)
+    pos = _window_start(ctx.sched, req)
     if pos >= req.kv_len:
         return None
     return pos, int(ctx.sched.req_to_token_pool.req_to_token[req.row, pos])
@@ -123,7 +136,7 @@ def _first_in_window_slot(ctx: KindContext, req: Req) -> tuple[int, int] | None:
 @register_kind("corrupt_req_to_token", Site.BEFORE_STEP)
 def corrupt_req_to_token(ctx: KindContext) -> Landing | None:
     """Point a req_to_token entry at another live slot, a freed slot, 0 or -1 (target.value).
-    KV canary (verify_chain_hash/verify_position); swa.peer_mapped when both owners free the slot; -1: alloc.out_of_pool at its free."""
+    other_live_slot/zero on page_size 1: swa.peer_mapped when both owners free the slot (invariants off: kv_canary.verify_chain_hash); freed_slot: kv_canary.verify_chain_hash, else idle.swa_ledger/idle.radix_sanity; zero on larger pages: alloc.reserved_slot; minus_one: alloc.out_of_pool at its free."""
     sched, value = ctx.sched, ctx.spec.target.value
     running = _running(ctx)
     for req in _pick_requests(ctx, running):
@@ -211,7 +224,7 @@ def flip_kv_byte(ctx: KindContext) -> Landing | None:
     if target.request == "cached":
         if sched.tree_cache is None:
             return None
-        in_use = {int(s) for r in sched.running for s in _ints(sched.req_to_token_pool.req_to_token[r.row, : r.kv_len])}
+        in_use = {s for r in sched.running for s in _ints(sched.req_to_token_pool.req_to_token[r.row, : r.kv_len])}
         candidates = [s for s in _ints(sched.tree_cache.held_slots()) if s not in in_use]
         if group_swa:
             candidates = [s for s in candidates if int(mapping[s]) > 0]
@@ -234,6 +247,8 @@ def flip_kv_byte(ctx: KindContext) -> Landing | None:
         return None
     byte = int(ctx.spec.params.get("byte", 0))
     raw = sched.kv_pool.k_buffer[layers[0]][row].view(-1).view(torch.uint8)
+    if byte >= raw.numel():  # params.byte beyond the row: nothing to flip (a kind never raises)
+        return None
     before = int(raw[byte])
     raw[byte] = before ^ 0xFF
     return Landing({"rid": rid, "position": pos, "slot": slot, "pool_row": row, "group": target.group,
@@ -254,46 +269,51 @@ def revert_pr_36723(ctx: KindContext) -> Landing | None:
 # ---- kinds on window eviction ----------------------------------------------------------------------
 
 
-def _eviction_target(ctx: KindContext) -> Req | None:
-    req = ctx.site_ctx["req"]
-    candidates = sorted({*(_running(ctx)), req}, key=lambda r: r.rid)
-    return req if req in _pick_requests(ctx, candidates) else None
+def _eviction_landing(ctx: KindContext, req: Req, **after: Any) -> Landing:
+    """The window eviction as planned (`before`) and as the kind changed it (`after`).
 
-
-def _eviction_digest(req: Req, slots: torch.Tensor, frontier: int, new_frontier: int) -> dict:
-    return {"rid": req.rid, "frontier": frontier, "new_frontier": new_frontier, "slots": _ints(slots)}
+    `after` may set `slots` (what free_swa gets), `new_frontier`, and `then_free_swa` (slots a
+    second free_swa call gets); unset ones keep the planned value.
+    """
+    planned = {"slots": ctx.site_ctx["slots"], "new_frontier": ctx.site_ctx["new_frontier"]}
+    changed = {**planned, **after}
+    digest = {
+        "rid": req.rid,
+        "frontier": ctx.site_ctx["frontier"],
+        "before": {"new_frontier": planned["new_frontier"], "freed": _ints(planned["slots"])},
+        "after": {"new_frontier": changed["new_frontier"], "freed": _ints(changed["slots"])},
+    }
+    if "then_free_swa" in after:
+        digest["after"]["freed_again"] = _ints(after["then_free_swa"])
+    return Landing(digest, after)
 
 
 @register_kind("skip_free_swa", Site.ON_WINDOW_EVICTION)
 def skip_free_swa(ctx: KindContext) -> Landing | None:
     """Advance the window frontier without releasing the SWA peers (the free_swa is skipped).
     Without a radix cache, free_full at finish meets live peers: swa.peer_released; with one, the SWA ledger leaks."""
-    req = _eviction_target(ctx)
+    req = _site_target(ctx)
     if req is None:
         return None
-    slots = ctx.site_ctx["slots"]
-    digest = _eviction_digest(req, slots, ctx.site_ctx["frontier"], ctx.site_ctx["new_frontier"])
-    return Landing({**digest, "freed": []}, {"slots": slots[:0]})
+    return _eviction_landing(ctx, req, slots=ctx.site_ctx["slots"][:0])
 
 
 @register_kind("never_evict_swa", Site.ON_WINDOW_EVICTION)
 def never_evict_swa(ctx: KindContext) -> Landing | None:
     """Keep every out-of-window SWA slot (the frontier never moves); use a large trigger.times.
     The SWA pool runs dry mid-decode: sched.decode_stall."""
-    req = _eviction_target(ctx)
+    req = _site_target(ctx)
     if req is None:
         return None
-    frontier = ctx.site_ctx["frontier"]
-    slots = ctx.site_ctx["slots"]
-    return Landing({**_eviction_digest(req, slots, frontier, ctx.site_ctx["new_frontier"]), "kept": True},
-                   {"slots": slots[:0], "new_frontier": frontier})
+    return _eviction_landing(ctx, req, slots=ctx.site_ctx["slots"][:0],
+                             new_frontier=ctx.site_ctx["frontier"])
 
 
 @register_kind("evict_inside_window", Site.ON_WINDOW_EVICTION)
 def evict_inside_window(ctx: KindContext) -> Landing | None:
     """Push the window frontier too far (params.extra_tokens, default half a window), releasing SWA slots still in the window.
     The KV canary's SWA group sees in-window positions without a peer (verify_position/verify_chain_hash)."""
-    req = _eviction_target(ctx)
+    req = _site_target(ctx)
     if req is None:
         return None
     sched = ctx.sched
@@ -304,36 +324,27 @@ def evict_inside_window(ctx: KindContext) -> Landing | None:
     if pushed <= new_frontier:
         return None
     slots = sched.req_to_token_pool.req_to_token[req.row, frontier:pushed].to(torch.int64)
-    return Landing({**_eviction_digest(req, slots, frontier, new_frontier), "pushed_frontier": pushed},
-                   {"slots": slots, "new_frontier": pushed})
+    return _eviction_landing(ctx, req, slots=slots, new_frontier=pushed)
 
 
 @register_kind("double_free_swa", Site.ON_WINDOW_EVICTION)
 def double_free_swa(ctx: KindContext) -> Landing | None:
     """Call free_swa a second time on the slots a window eviction just released.
     page_size 1: swa.peer_mapped (the mapping already reads 0)."""
-    req = _eviction_target(ctx)
+    req = _site_target(ctx)
     if req is None:
         return None
-    slots = ctx.site_ctx["slots"]
-    return Landing(_eviction_digest(req, slots, ctx.site_ctx["frontier"], ctx.site_ctx["new_frontier"]),
-                   {"then_free_swa": slots.clone()})
+    return _eviction_landing(ctx, req, then_free_swa=ctx.site_ctx["slots"].clone())
 
 
 # ---- kinds at request finish and sampling ------------------------------------------------------------
-
-
-def _finish_target(ctx: KindContext) -> Req | None:
-    req = ctx.site_ctx["req"]
-    candidates = sorted({*ctx.sched.running, req}, key=lambda r: r.rid)
-    return req if req in _pick_requests(ctx, candidates) else None
 
 
 @register_kind("leak_request", Site.ON_REQUEST_FINISH)
 def leak_request(ctx: KindContext) -> Landing | None:
     """Never free a finished request: its row and its slots stay taken.
     The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger)."""
-    req = _finish_target(ctx)
+    req = _site_target(ctx)
     if req is None:
         return None
     return Landing({"rid": req.rid, "row": req.row, "kv_len": req.kv_len}, {"leak": True})
@@ -342,8 +353,8 @@ def leak_request(ctx: KindContext) -> Landing | None:
 @register_kind("double_free_full", Site.ON_REQUEST_FINISH)
 def double_free_full(ctx: KindContext) -> Landing | None:
     """After a finished request is released, free_full its target positions' slots once more.
-    The full sub-allocator drops the second free: alloc.double_free (use radix_cache: false, else the tree still holds them)."""
-    req = _finish_target(ctx)
+    The full sub-allocator drops the second free: alloc.double_free (use radix_cache: false, else the tree still holds them); freeing every slot also breaks alloc.pool_bound."""
+    req = _site_target(ctx)
     if req is None:
         return None
     positions = _positions(ctx, req) or [0]

@@ -11,13 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec", "TRIGGER_EVENTS", "parse_perturbations"]
+__all__ = ["PARAM_MINIMUMS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec", "TRIGGER_EVENTS",
+           "parse_perturbations"]
 
 TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit")
 POSITION_WORDS = ("in_window", "out_of_window", "last")
 REQUEST_WORDS = ("random", "all", "cached")
 VALUE_WORDS = ("other_live_slot", "freed_slot", "zero", "minus_one")
 GROUP_WORDS = ("full", "swa")
+# params a kind reads, each an integer with this minimum (evict_inside_window, flip_kv_byte).
+PARAM_MINIMUMS = {"extra_tokens": 1, "byte": 0}
 
 
 class SpecError(ValueError):
@@ -102,15 +105,9 @@ def _mapping(path: str, raw: Any, allowed: tuple[str, ...]) -> dict:
 def _trigger(path: str, raw: Any) -> TriggerSpec:
     raw = _mapping(path, raw, tuple(TriggerSpec.__dataclass_fields__))
     values: dict[str, Any] = {}
-    for key in ("at_step", "after_step"):
+    for key, minimum in (("at_step", 0), ("after_step", 0), ("warmup_steps", 0), ("interval", 1), ("times", 1)):
         if key in raw:
-            values[key] = _int(f"{path}.{key}", raw[key], minimum=0)
-    if "warmup_steps" in raw:
-        values["warmup_steps"] = _int(f"{path}.warmup_steps", raw["warmup_steps"], minimum=0)
-    if "interval" in raw:
-        values["interval"] = _int(f"{path}.interval", raw["interval"], minimum=1)
-    if "times" in raw:
-        values["times"] = _int(f"{path}.times", raw["times"], minimum=1)
+            values[key] = _int(f"{path}.{key}", raw[key], minimum=minimum)
     if "event" in raw:
         values["event"] = _choice(f"{path}.event", raw["event"], TRIGGER_EVENTS)
     if "probability" in raw:
@@ -163,9 +160,10 @@ def parse_perturbations(raw: Any, known_kinds: tuple[str, ...], path: str = "per
         kind = item["kind"]
         if kind not in known_kinds:
             raise SpecError(f"{item_path}.kind", f"unknown kind {kind!r}; valid kinds: {', '.join(known_kinds)}")
-        params = _mapping(f"{item_path}.params", item.get("params"), ("extra_tokens", "byte"))
+        params = _mapping(f"{item_path}.params", item.get("params"), tuple(PARAM_MINIMUMS))
+        params = {k: _int(f"{item_path}.params.{k}", v, minimum=PARAM_MINIMUMS[k]) for k, v in params.items()}
         specs.append(
             PerturbationSpec(kind, _trigger(f"{item_path}.trigger", item.get("trigger")),
-                             _target(f"{item_path}.target", item.get("target")), dict(params))
+                             _target(f"{item_path}.target", item.get("target")), params)
         )
     return specs
