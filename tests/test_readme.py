@@ -26,3 +26,21 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_commands()[1]
     ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert test_command in ci_lines
+
+
+def test_torch_imports_without_a_warning_in_this_environment() -> None:
+    # A fresh venv once lacked numpy: torch then warns at import, and pytest's
+    # `filterwarnings = error` turned the warning into an ImportError in conftest.py.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", "import torch"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_project_declares_numpy() -> None:
+    from importlib.metadata import requires
+
+    names = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires("serving-canary") or []}
+    assert "numpy" in names
