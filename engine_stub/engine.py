@@ -43,7 +43,12 @@ EXIT_CODES = {"invariant": 3, "kv_canary": 4, "error": 1}
 
 
 def default_event_log_path() -> Path:
-    return Path(tempfile.gettempdir()) / f"engine_stub-{os.getpid()}.events.jsonl"
+    """A fresh private directory (mode 0700) holding `events.jsonl`.
+
+    A predictable name in the shared temp dir could be planted (a symlink) by another user
+    before the engine opens it; a directory made by `mkdtemp` cannot.
+    """
+    return Path(tempfile.mkdtemp(prefix=f"engine_stub-{os.getpid()}-")) / "events.jsonl"
 
 
 class Engine:
@@ -59,7 +64,10 @@ class Engine:
     def __init__(self, config: EngineConfig, *, perturber: Any = None, exit_on_crash: bool = True) -> None:
         self.config = config
         self.exit_on_crash = exit_on_crash
-        self.events = EventLog(config.event_log or default_event_log_path())
+        if config.event_log:
+            self.events = EventLog(config.event_log)
+        else:
+            self.events = EventLog(default_event_log_path(), exclusive=True)
         torch.manual_seed(config.seed)
         if config.resolved_device() == "cpu":
             # The model is tiny: intra-op threads only add OpenMP hand-offs, and on a loaded
@@ -113,6 +121,18 @@ class Engine:
             self._inbox.append(req)
             self._cond.notify_all()
         return req
+
+    def abort(self, rid: str) -> bool:
+        """Give up on request `rid` (its client went away): it is finished with finish_reason
+        "abort" at the scheduler's next step, and its slots are freed. False when `rid` is not
+        in flight."""
+        with self._cond:
+            req = self._pending.get(rid)
+            if req is None or req.finished:
+                return False
+            req.abort_requested = True
+            self._cond.notify_all()
+            return True
 
     def _finisher(self, on_finish: Callable[[Req], None] | None) -> Callable[[Req], None]:
         def finished(req: Req) -> None:

@@ -26,10 +26,15 @@ NONDETERMINISTIC_CONFIG_KEYS = frozenset({"event_log", "port", "host"})
 class EventLog:
     """Append-only JSONL writer, safe to call from the engine and server threads."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, exclusive: bool = False) -> None:
+        """Open `path` for appending; `exclusive`: create it, refusing an existing file or link."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        if exclusive:
+            flags |= os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(self.path, flags, 0o600 if exclusive else 0o644)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
         self._seq = 0
         self.step = 0

@@ -47,6 +47,9 @@ class Req:
     admitted_step: int = -1
     finished_step: int = -1
     finish_reason: str | None = None
+    # Set by the engine when the client gave up; the scheduler finishes the request at its next
+    # step. A plain bool: written from the server's thread, read from the engine's.
+    abort_requested: bool = False
 
     def __post_init__(self) -> None:
         if not self.origin_input_ids:

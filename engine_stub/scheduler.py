@@ -3,14 +3,20 @@
 One `step()` is a prefill batch (when waiting requests can be admitted) or else a decode batch.
 Decode first slides every request's window (`free_swa` below the `swa_evicted_seqlen` frontier),
 then allocates one slot per request. A finished request goes into the radix cache (its
-window-evicted range as tombstones) or is freed. The frees of scheduling and those of finishing
-each run inside a free group.
+window-evicted range as tombstones) or is freed.
+
+Free groups follow SGLang's scheduler: the frees of finishing requests (its
+`process_batch_result`) run inside one group, and whatever an allocation needs freed first
+(window eviction, radix eviction) is released before the allocation runs, never deferred past it:
+a slot queued in an open group is not available until the group ends.
 The KV canary brackets each forward; invariant counters and canary masks are read once, at the
 end of the step, where the engine synchronizes anyway to learn the sampled tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -108,12 +114,24 @@ class Scheduler:
         if prompt_len + max_new_tokens > cfg.max_context_len:
             raise RequestRejected(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_context_len={cfg.max_context_len}"
+                f"max_context_len={cfg.max_context_len}",
+                # The prompt is at fault only if it leaves no room for a single new token.
+                param="prompt" if prompt_len >= cfg.max_context_len else "max_new_tokens",
             )
-        if prompt_len + self._swa_headroom() > cfg.swa_pool_tokens:
+        # What admission reserves for this request alone: if even an empty engine cannot give
+        # it that, it would wait forever.
+        extend_tokens = -(-prompt_len // self.page_size) * self.page_size
+        if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:
             raise RequestRejected(
                 f"prompt ({prompt_len} tokens) cannot be prefilled: swa_pool_tokens={cfg.swa_pool_tokens} "
                 f"minus one window of headroom ({self._swa_headroom()})"
+            )
+        full_need = extend_tokens + self._full_reserve(max_new_tokens)
+        if full_need > cfg.full_pool_tokens:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs {full_need} "
+                f"slots of the full pool, which has full_pool_tokens={cfg.full_pool_tokens}",
+                param="max_new_tokens",
             )
 
     def add_request(self, req: Req) -> None:
@@ -131,15 +149,12 @@ class Scheduler:
         self.step_no += 1
         self.events.step = self.step_no
         self._hook(Site.BEFORE_STEP)
-        self.allocator.free_group_begin()
-        try:
-            batch_reqs = self._schedule_prefill()
-            kind = "prefill"
-            if not batch_reqs:
-                kind = "decode"
-                batch_reqs = self._schedule_decode()
-        finally:
-            self.allocator.free_group_end()
+        self._drop_aborted()
+        batch_reqs = self._schedule_prefill()
+        kind = "prefill"
+        if not batch_reqs:
+            kind = "decode"
+            batch_reqs = self._schedule_decode()
         if batch_reqs:
             self._run_batch(kind, batch_reqs)
         self._end_of_step(kind if batch_reqs else "stall")
@@ -172,12 +187,35 @@ class Scheduler:
         if kind == "prefill":
             self.running.extend(reqs)
         if finished:
-            self.allocator.free_group_begin()
-            try:
+            with self._free_group():
                 for req in finished:
                     self._finish(req)
-            finally:
-                self.allocator.free_group_end()
+
+    @contextlib.contextmanager
+    def _free_group(self) -> Iterator[None]:
+        """Batch the frees of a block into one release at its end (nothing to allocate inside)."""
+        self.allocator.free_group_begin()
+        try:
+            yield
+        finally:
+            self.allocator.free_group_end()
+
+    def _drop_aborted(self) -> None:
+        """Finish every request whose client gave up (`Req.abort_requested`), freeing its KV."""
+        for req in [r for r in self.waiting if r.abort_requested]:
+            self.waiting.remove(req)
+            req.finish_reason = "abort"
+            req.finished_step = self.step_no
+            self.events.write("request_finished", rid=req.rid, output_len=0, admitted_step=-1,
+                              finish_reason="abort")
+            if req.on_finish is not None:
+                req.on_finish(req)
+        aborted = [r for r in self.running if r.abort_requested and not r.finished]
+        if aborted:
+            with self._free_group():
+                for req in aborted:
+                    req.finish_reason = "abort"
+                    self._finish(req)
 
     def _forward_batch(self, kind: str, reqs: list[Req]) -> tuple[ForwardBatch, list[CanaryRequest]]:
         if kind == "prefill":
@@ -262,7 +300,7 @@ class Scheduler:
             if lock is not None:
                 self.tree_cache.dec_lock_ref(lock)
             return False
-        self._evict_tree(extend_tokens - full_avail, extend_tokens - swa_avail)
+        self._evict_tree(extend_tokens)
         slots = self._alloc_extend(req, prefix_len, match)
         if slots is None:
             if lock is not None:
@@ -292,9 +330,17 @@ class Scheduler:
         return self.allocator.alloc_extend([prefix_len], [req.prompt_len], last_loc.to(torch.int64),
                                            req.prompt_len - prefix_len)
 
-    def _evict_tree(self, full_deficit: int, swa_deficit: int) -> None:
-        if self.tree_cache is not None and (full_deficit > 0 or swa_deficit > 0):
-            self.tree_cache.evict(max(full_deficit, 0), max(swa_deficit, 0))
+    def _evict_tree(self, num_tokens: int) -> None:
+        """Evict the radix cache until both pools have `num_tokens` free (SGLang's
+        `evict_from_tree_cache`). Its frees are released before this returns, so the allocation
+        that follows can use them."""
+        if self.tree_cache is None:
+            return
+        full_deficit = num_tokens - self.allocator.full_available_size()
+        swa_deficit = num_tokens - self.allocator.swa_available_size()
+        if full_deficit > 0 or swa_deficit > 0:
+            with self._free_group():
+                self.tree_cache.evict(max(full_deficit, 0), max(swa_deficit, 0))
 
     def _note_swa_use(self, full_slots: torch.Tensor) -> None:
         # Proof of exercise: SWA slots handed out a second time (sync-free counter).
@@ -309,12 +355,12 @@ class Scheduler:
         reqs = [r for r in self.running if not r.finished]
         if not reqs:
             return []
-        self._evict_windows(reqs)
+        # The window's frees are batched into one release, and released before the allocation.
+        with self._free_group():
+            self._evict_windows(reqs)
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        self._evict_tree(len(reqs) * self.page_size)
         slots = self._alloc_decode(reqs, rows)
-        if slots is None:
-            self._evict_tree(len(reqs) * self.page_size, len(reqs) * self.page_size)
-            slots = self._alloc_decode(reqs, rows)
         if slots is None:
             self.events.write("decode_stall", running=len(reqs),
                               full_available=self.allocator.full_available_size(),

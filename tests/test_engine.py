@@ -308,8 +308,8 @@ def test_decode_stall_below_crash_level_aborts_the_youngest_request(tmp_path: Pa
     config = EngineConfig(device="cpu", invariant_check="warn", window=8, swa_pool_tokens=64)
     events = EventLog(tmp_path / "events.jsonl")
     sched = Scheduler(config, events)
-    for i in range(2):
-        sched.add_request(Req(f"r{i}", list(range(40, 50)), 20))
+    for i in range(2):  # prompts shorter than the window: the first decode evicts nothing
+        sched.add_request(Req(f"r{i}", list(range(40, 46)), 20))
     with override_level("warn"):
         sched.step()  # both prefill together
         # Something leaked every free SWA slot: the next decode cannot allocate.
