@@ -98,7 +98,8 @@ class Scheduler:
         self.step_no = 0
         self.order_by_rid = config.gate_requests > 0
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "cached_tokens": 0, "swa_evicted_tokens": 0, "finished_requests": 0}
+                      "cached_tokens": 0, "swa_evicted_tokens": 0, "finished_requests": 0,
+                      "aborted_requests": 0}
         self._swa_ever_used = torch.zeros(self.kv_pool.swa_rows, dtype=torch.bool, device=self.device)
         self._swa_reused = torch.zeros((), dtype=torch.int64, device=self.device)
         self._divergent_allocs = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -204,6 +205,7 @@ class Scheduler:
         """Finish every request whose client gave up (`Req.abort_requested`), freeing its KV."""
         for req in [r for r in self.waiting if r.abort_requested]:
             self.waiting.remove(req)
+            self.stats["aborted_requests"] += 1
             req.finish_reason = "abort"
             req.finished_step = self.step_no
             self.events.write("request_finished", rid=req.rid, output_len=0, admitted_step=-1,
@@ -214,6 +216,7 @@ class Scheduler:
         if aborted:
             with self._free_group():
                 for req in aborted:
+                    self.stats["aborted_requests"] += 1
                     req.finish_reason = "abort"
                     self._finish(req)
 
