@@ -1,7 +1,8 @@
 """`python -m engine_stub`: serve the engine over HTTP.
 
 Every knob is a flag and an `ENGINE_STUB_*` variable (see --help). With --port 0 the engine binds
-a free port; either way it prints one line `engine_stub ready on http://HOST:PORT` when it serves.
+a free port; either way it prints one line `engine_stub ready on http://HOST:PORT` when it serves
+(an IPv6 host in brackets: `http://[::1]:PORT`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     # Listen now, so a client that connects as soon as it reads the ready line waits in the
     # backlog instead of being refused before uvicorn's startup.
     sock.listen(2048)
-    print(f"engine_stub ready on http://{config.host}:{port}", flush=True)
+    # An IPv6 literal is bracketed in a URL (RFC 3986): http://[::1]:PORT.
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    print(f"engine_stub ready on http://{host}:{port}", flush=True)
     server.run(sockets=[sock])
     return 0
 

@@ -19,9 +19,12 @@ import torch
 
 from engine_stub.mem.kv_pool import HybridKVPool
 
-__all__ = ["VOCAB_SIZE", "ForwardBatch", "ModelConfig", "TinyHybridModel", "decode_text", "encode_text"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "VOCAB_SIZE", "ForwardBatch", "ModelConfig", "TinyHybridModel",
+           "decode_text", "encode_text"]
 
 VOCAB_SIZE = 256
+# Temperatures below this are greedy (as in SGLang): dividing logits by them would overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 def encode_text(text: str) -> list[int]:
@@ -240,13 +243,21 @@ class TinyHybridModel:
 def sample(
     logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Greedy where temperature is 0, else seeded multinomial; int64 `[num_reqs]` on the device."""
+    """Greedy where the temperature is below `GREEDY_TEMPERATURE_EPS`, else seeded multinomial.
+
+    Returns int64 `[num_reqs]` on the device. Sampling runs in float64 on the host, on logits
+    shifted by their max, so the largest scaled logit is 0 and every temperature >= the epsilon
+    gives finite probabilities from finite logits. A row whose logits are not finite (damaged
+    state) gets its greedy token: a request always gets an answer.
+    """
     greedy = logits.argmax(-1)
-    if all(t == 0 for t in temperatures):
+    if all(t < GREEDY_TEMPERATURE_EPS for t in temperatures):
         return greedy
     out = greedy.clone()
     for i, (temp, gen) in enumerate(zip(temperatures, generators, strict=True)):
-        if temp > 0:
-            probs = torch.softmax(logits[i].to(torch.float64) / temp, dim=-1).cpu()
-            out[i] = torch.multinomial(probs, 1, generator=gen).to(out.device)[0]
+        if temp >= GREEDY_TEMPERATURE_EPS:
+            row = logits[i].to(torch.float64).cpu()
+            probs = torch.softmax((row - row.max()) / temp, dim=-1)
+            if torch.isfinite(probs).all():  # a host tensor: no device sync
+                out[i] = torch.multinomial(probs, 1, generator=gen).to(out.device)[0]
     return out

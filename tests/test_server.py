@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,11 +22,13 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from engine_stub.config import EngineConfig
 from engine_stub.engine import Engine
 from engine_stub.events import read_events
-from engine_stub.model import decode_text, encode_text
+from engine_stub.model import GREEDY_TEMPERATURE_EPS, decode_text, encode_text
 from engine_stub.server import MAX_NEW_TOKENS_LIMIT, create_app
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -129,14 +133,14 @@ def test_health_reports_a_crashed_engine(client: TestClient, engine: Engine) -> 
 
 BAD_GENERATE: list[tuple[str, Any, str]] = [
     ("malformed_json", b'{"text": "hi"', "malformed JSON"),
-    ("not_an_object", b"[1, 2]", "valid dictionary"),
+    ("not_an_object", b"[1, 2]", "must be a JSON object"),
     ("text_not_string", {"text": 5}, "text"),
     ("input_ids_not_list", {"input_ids": "abc"}, "input_ids"),
     ("input_id_bool", {"input_ids": [True]}, "input_ids.0"),
     ("input_id_float", {"input_ids": [1.5]}, "input_ids.0"),
     ("max_new_tokens_string", {"text": "hi", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
-    ("empty_text", {"text": ""}, "text: the prompt is empty"),
-    ("empty_input_ids", {"input_ids": []}, "input_ids: the prompt is empty"),
+    ("empty_text", {"text": ""}, "text: must not be empty"),
+    ("empty_input_ids", {"input_ids": []}, "input_ids: must not be empty"),
     ("no_prompt", {"sampling_params": {"max_new_tokens": 4}}, "'text' and 'input_ids'"),
     ("both_prompts", {"text": "hi", "input_ids": [1]}, "'text' and 'input_ids'"),
     ("token_too_large", {"input_ids": [1, 256]}, "input_ids.1"),
@@ -170,7 +174,7 @@ def test_bad_generate_request_gets_400_naming_the_field(
 
 
 BAD_COMPLETIONS: list[tuple[str, dict, str]] = [
-    ("empty_prompt", {"prompt": ""}, "prompt: the prompt is empty"),
+    ("empty_prompt", {"prompt": ""}, "prompt: must not be empty"),
     ("missing_prompt", {"max_tokens": 3}, "prompt: Field required"),
     ("prompt_not_text_or_ids", {"prompt": 5}, "prompt"),
     ("token_too_large", {"prompt": [999]}, "prompt.0: Input should be less than 256"),
@@ -238,6 +242,7 @@ class _Server:
     pump: threading.Thread
     lines: queue.Queue[str]
     port: int = 0
+    url: str = ""  # as the ready line printed it
 
     def stop(self) -> None:
         """Kill the whole process group if it is still alive; reap it and its output pipe."""
@@ -250,11 +255,12 @@ class _Server:
             self.proc.stdout.close()
 
 
-def _start_server(event_log: Path) -> _Server:
+def start_server(event_log: Path, *extra_args: str) -> _Server:
+    """`python -m engine_stub --port 0` in its own process group, once it printed its ready line."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_stub", "--port", "0", "--device", "cpu",
-         "--event-log", str(event_log)],
+         "--event-log", str(event_log), *extra_args],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # its own process group, so nothing it starts outlives the test
     )
@@ -278,7 +284,8 @@ def _start_server(event_log: Path) -> _Server:
             continue
         seen.append(line)
         if line.startswith("engine_stub ready on http://"):
-            server.port = int(line.strip().rsplit(":", 1)[1])
+            server.url = line.removeprefix("engine_stub ready on ").strip()
+            server.port = int(server.url.rsplit(":", 1)[1])
             return server
     server.stop()
     raise AssertionError(f"server never became ready (exit {proc.poll()}): {''.join(seen)}")
@@ -288,10 +295,11 @@ def _start_server(event_log: Path) -> _Server:
 def test_openai_client_against_real_server_then_sigterm_exits_cleanly(tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
     event_log = tmp_path / "events.jsonl"
-    server = _start_server(event_log)
+    server = start_server(event_log)
     proc, port = server.proc, server.port
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == ["engine-stub"]
         completion = client.completions.create(model="engine-stub", prompt="hello", max_tokens=8)
         generated = httpx.post(f"http://127.0.0.1:{port}/generate",
                                json={"text": "hello", "sampling_params": {"max_new_tokens": 8}}, timeout=30)
@@ -310,3 +318,279 @@ def test_openai_client_against_real_server_then_sigterm_exits_cleanly(tmp_path: 
     assert kinds[0] == "engine_start" and "listening" in kinds
     assert kinds[-1] == "shutdown"
     assert kinds.count("request_finished") == 2
+
+
+# ---- sampling: any accepted temperature gets an answer -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"input_ids": [54], "sampling_params": {"max_new_tokens": 1,
+                                                               "temperature": 2.2250738585072014e-308}}),
+        ("/v1/completions", {"prompt": [54], "max_tokens": 1, "temperature": 5e-324}),
+    ],
+    ids=["generate_min_normal", "completions_min_subnormal"],
+)
+def test_tiny_positive_temperature_gets_the_greedy_answer(
+    client: TestClient, engine: Engine, path: str, body: dict
+) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    text = data["text"] if path == "/generate" else data["choices"][0]["text"]
+    assert text == decode_text(_oracle(engine, [54], 1))  # below the epsilon: greedy
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(temperature=st.floats(min_value=0.0, max_value=10.0))
+@example(temperature=5e-324)  # the smallest subnormal: logits / it overflowed to inf
+@example(temperature=GREEDY_TEMPERATURE_EPS)  # the smallest temperature that samples
+@example(temperature=10.0)
+def test_any_temperature_in_range_gets_an_answer(client: TestClient, temperature: float) -> None:
+    body = {"input_ids": [54, 55], "sampling_params": {"max_new_tokens": 2, "temperature": temperature}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["output_ids"]) == 2
+
+
+# ---- one error shape, naming the field ---------------------------------------------------------
+
+
+def _error_of(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "param", "code"}, body
+    assert body["error"]["code"] == status
+    return body["error"]
+
+
+RAW_BAD: list[tuple[str, str, bytes, str | None, str]] = [
+    ("lone_surrogate_text", "/generate", b'{"text": "a\\ud800b"}', "text", "lone surrogate"),
+    ("lone_surrogate_prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt", "lone surrogate"),
+    ("lone_surrogate_rid", "/generate", b'{"text": "hi", "rid": "\\udfff"}', "rid", "lone surrogate"),
+    ("lone_surrogate_model", "/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', "model",
+     "lone surrogate"),
+    ("lone_surrogate_field_name", "/v1/completions", b'{"prompt": "hi", "\\ud800": 1}', None,
+     "field name is not valid Unicode"),
+    ("nan_temperature", "/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}',
+     "sampling_params.temperature", "finite"),
+    ("infinite_temperature", "/v1/completions", b'{"prompt": "hi", "temperature": Infinity}',
+     "temperature", "finite"),
+    ("empty_body_completions", "/v1/completions", b"", "prompt", "prompt: Field required"),
+    ("empty_body_generate", "/generate", b"", None, "'text' and 'input_ids'"),
+    ("not_utf8", "/generate", b'{"text": "\xff\xfe"}', None, "not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "raw", "param", "reason"), RAW_BAD, ids=[c[0] for c in RAW_BAD])
+def test_bad_raw_body_gets_400_in_the_error_shape_naming_the_field(
+    client: TestClient, engine: Engine, case: str, path: str, raw: bytes, param: str | None, reason: str
+) -> None:
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    error = _error_of(response)
+    assert error["param"] == param and reason in error["message"], error
+    assert engine.received == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4096}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 511}, "max_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4000}}, "sampling_params.max_new_tokens"),
+    ],
+    ids=["completions_4096", "completions_just_over", "generate_4000"],
+)
+def test_new_tokens_beyond_the_context_get_400_naming_the_endpoints_field(
+    client: TestClient, path: str, body: dict, param: str
+) -> None:
+    error = _error_of(client.post(path, json=body))
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: ") and "max_context_len=512" in error["message"]
+    if path == "/v1/completions":
+        assert "max_new_tokens" not in error["message"]
+
+
+def test_prompt_beyond_the_context_gets_400_naming_the_prompt_field(client: TestClient) -> None:
+    assert _error_of(client.post("/generate", json={"input_ids": [1] * 600}))["param"] == "input_ids"
+    assert _error_of(client.post("/generate", json={"text": "a" * 600}))["param"] == "text"
+    assert _error_of(client.post("/v1/completions", json={"prompt": "a" * 600}))["param"] == "prompt"
+
+
+def test_unexpected_server_error_gets_500_in_the_error_shape(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> dict:
+        raise KeyError("planted")
+
+    monkeypatch.setattr(engine, "state", broken)
+    client = TestClient(create_app(engine), raise_server_exceptions=False)
+    assert "KeyError" in _error_of(client.get("/state"), 500)["message"]
+
+
+def test_unknown_route_and_method_get_the_error_shape(client: TestClient) -> None:
+    assert _error_of(client.get("/nowhere"), 404)["message"] == "Not Found"
+    response = client.delete("/generate")
+    _error_of(response, 405)
+    assert response.headers["allow"] == "POST"
+
+
+# ---- /v1/completions: every field is honoured or rejected ---------------------------------------
+
+UNIMPLEMENTED: list[tuple[str, Any]] = [
+    ("suffix", " the end"), ("top_p", 0.5), ("best_of", 2), ("stop", "\n"), ("stop", ["a"]),
+    ("presence_penalty", 1.0), ("frequency_penalty", -0.5), ("logit_bias", {"50": 100}),
+    ("logprobs", 1), ("logprobs", 0), ("seed", 7), ("stream_options", {"include_usage": True}),
+    ("top_k", 3), ("min_tokens", 2), ("ignore_eos", True),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNIMPLEMENTED, ids=[f"{f}={v!r}" for f, v in UNIMPLEMENTED])
+def test_completions_field_that_would_change_the_answer_gets_400_naming_it(
+    client: TestClient, engine: Engine, field: str, value: Any
+) -> None:
+    error = _error_of(client.post("/v1/completions", json={"prompt": "hello", field: value}))
+    assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+    assert engine.received == 0
+
+
+def test_completions_neutral_values_give_the_plain_answer(client: TestClient) -> None:
+    plain = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6}).json()
+    neutral = {"suffix": "", "top_p": 1, "best_of": 1, "stop": None, "presence_penalty": 0.0,
+               "frequency_penalty": 0, "logit_bias": {}, "logprobs": None, "seed": None,
+               "stream": False, "n": 1, "user": "someone", "model": "any-name"}
+    response = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, **neutral})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"] == plain["choices"]
+
+
+@pytest.mark.parametrize("prompt", ["hello", list(encode_text("hello"))], ids=["text", "ids"])
+def test_completions_echo_prepends_the_prompt(client: TestClient, prompt: Any) -> None:
+    plain = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}).json()
+    echoed = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == "hello" + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"]
+
+
+def test_models_lists_the_served_model(client: TestClient) -> None:
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == ["engine-stub"]
+
+
+# ---- the OpenAPI document says what the server does ---------------------------------------------
+
+
+def test_openapi_documents_400_errors_prompt_bounds_and_text_metrics(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            assert "422" not in operation["responses"], (method, path)
+            assert "default" in operation["responses"], (method, path)
+    for path in ("/generate", "/v1/completions"):
+        assert "400" in doc["paths"][path]["post"]["responses"]
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain"]
+    assert list(metrics["default"]["content"]) == ["application/json"]  # errors are JSON everywhere
+    schemas = doc["components"]["schemas"]
+    text = schemas["GenerateRequest"]["properties"]["text"]["anyOf"][0]
+    ids = schemas["GenerateRequest"]["properties"]["input_ids"]["anyOf"][0]
+    assert text["minLength"] == 1 and ids["minItems"] == 1
+    prompt = {b["type"]: b for b in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]}
+    assert prompt["string"]["minLength"] == 1 and prompt["array"]["minItems"] == 1
+
+
+def test_openapi_limits_are_the_largest_the_server_accepts(client: TestClient) -> None:
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    max_prompt = schemas["GenerateRequest"]["properties"]["input_ids"]["anyOf"][0]["maxItems"]
+    max_new = schemas["SamplingParams"]["properties"]["max_new_tokens"]["maximum"]
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["maximum"] == max_new
+
+    def status(prompt_len: int, new: int) -> int:
+        body = {"input_ids": [65] * prompt_len, "sampling_params": {"max_new_tokens": new}}
+        return client.post("/generate", json=body).status_code
+
+    assert status(max_prompt, 1) == 200 and status(max_prompt + 1, 1) == 400
+    assert status(1, max_new) == 200 and status(1, max_new + 1) == 400
+
+
+# ---- the real server: IPv6, disconnects --------------------------------------------------------
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_ipv6_host_prints_a_bracketed_url_that_serves(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "events.jsonl", "--host", "::1")
+    try:
+        assert server.url == f"http://[::1]:{server.port}"
+        assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "ok"}
+    finally:
+        server.stop()
+
+
+async def _abandon(port: int, body: dict) -> asyncio.StreamWriter:
+    """Send a request on a raw connection and return the writer, to be closed mid-way."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    return writer
+
+
+@pytest.mark.slow
+def test_disconnected_clients_requests_are_aborted_and_pools_return_to_idle(tmp_path: Path) -> None:
+    event_log = tmp_path / "events.jsonl"
+    server = start_server(event_log)
+    base, n_tokens = server.url, 400
+    kept, abandoned = [f"kept-{i}" for i in range(3)], [f"gone-{i}" for i in range(7)]
+
+    def body(rid: str, i: int) -> dict:
+        return {"input_ids": [65 + i, 66, 67], "rid": rid, "sampling_params": {"max_new_tokens": n_tokens}}
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            writers = [await _abandon(server.port, body(rid, i)) for i, rid in enumerate(abandoned)]
+            waiting = [asyncio.create_task(http.post("/generate", json=body(rid, 10 + i)))
+                       for i, rid in enumerate(kept)]
+            while (await http.get("/state")).json()["stats"]["generated_tokens"] < 50:
+                await asyncio.sleep(0.02)  # decoding has begun: the clients leave mid-way
+            for writer in writers:
+                writer.close()
+            return list(await asyncio.gather(*waiting))
+
+    try:
+        answers = asyncio.run(scenario())
+        assert [len(a.json()["output_ids"]) for a in answers] == [n_tokens] * len(kept)
+        deadline = time.monotonic() + 30
+        while True:
+            state = httpx.get(f"{base}/state", timeout=30).json()
+            if state["completed"] == 10 and state["running"] == 0 and state["waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    events = read_events(event_log)
+    finished = {e["rid"]: e for e in events if e["kind"] == "request_finished"}
+    assert {rid: finished[rid]["finish_reason"] for rid in abandoned} == dict.fromkeys(abandoned, "abort")
+    assert all(finished[rid]["output_len"] < n_tokens for rid in abandoned)
+    assert {finished[rid]["finish_reason"] for rid in kept} == {"length"}
+    assert state["stats"]["generated_tokens"] < n_tokens * (len(kept) + len(abandoned)) // 2
+    last_finish = max(e["seq"] for e in finished.values())
+    idle = [e for e in events if e["kind"] == "idle_check" and e["seq"] > last_finish]
+    assert idle, "no idle check after the last request finished"
+    for name, ledger in idle[-1]["ledgers"].items():
+        assert ledger["delta"] == 0, (name, ledger)
+    assert idle[-1]["ledgers"]["req_rows"]["available"] == idle[-1]["ledgers"]["req_rows"]["total"]
