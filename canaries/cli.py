@@ -9,7 +9,10 @@
     canary gc [--all] [--images]
 
 `run` exits 0 when every verdict passed, 1 when any failed, 2 on a usage or validation error,
-130 on Ctrl-C (every engine is stopped first; what was written stays).
+130 on Ctrl-C and 143 on SIGTERM (128 + the signal). An interrupted run stops every engine, then
+writes its reports anyway: every selected scenario is listed (running ones INCONCLUSIVE
+"interrupted", the others NOT_RUN) and each report says the run was interrupted; further
+signals are ignored until that is done.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def _summary(records: list) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from canaries.runner import cancel_all, default_report_dir, new_run_id, run_many
+    from canaries.runner import RunInterrupted, cancel_all, default_report_dir, new_run_id, run_many
     from canaries.runtime import RUNTIMES
 
     if args.runtime not in RUNTIMES:
@@ -193,13 +196,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
     print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
           f"report {report_dir}", flush=True)
-    from canaries.runtime.safety import install_sigterm_handler
+    from canaries.runtime.safety import SignalLatch, install_sigterm_handler
 
     install_sigterm_handler()  # from the main thread: the engines start in worker threads
     t0 = time.monotonic()
     try:
-        records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
-                           device=args.device, progress=True)
+        # Signals stay latched from the run through its reports to the way out: once
+        # interrupted, a late signal must not kill the process or print a traceback. One that
+        # comes after run_many judged every scenario changes nothing: the reports are complete.
+        with SignalLatch() as latch:
+            try:
+                records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
+                                   device=args.device, progress=True, latch=latch)
+            except RunInterrupted as exc:  # the reports are written, and say so
+                latch.ignore_on_exit()
+                _summary(exc.records)
+                print(f"\ncanary: {exc.interruption.summary()}; every engine stopped; report "
+                      f"in {report_dir}", file=sys.stderr, flush=True)
+                return 128 + exc.signum if exc.signum is not None else EXIT_INTERRUPTED
     except KeyboardInterrupt:
         cancel_all()
         print(f"\ncanary: interrupted; every engine stopped; partial report in {report_dir}",
@@ -255,10 +269,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     files = _scenario_files(args.paths)
     problems = _problems(files)
     for p in problems:
-        print(p)
+        sys.stdout.write(f"{p}\n")
+    # Every problem line is out before the summary goes to the other stream: where both end up
+    # in one place, the summary must not land inside a half-flushed problem line.
+    sys.stdout.flush()
     if problems:
         bad = len({p.file for p in problems})
-        print(f"{len(problems)} problem(s) in {bad} file(s)", file=sys.stderr)
+        print(f"{len(problems)} problem(s) in {bad} file(s)", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print(f"{len(files)} scenarios OK")
     return EXIT_OK

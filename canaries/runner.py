@@ -3,39 +3,71 @@
 `run_scenario` runs one scenario into a run directory (spec.json, engine.log, events.jsonl,
 responses.jsonl, verdict.json) and returns its `VerdictRecord`. `run_many` runs a list of them
 with a pool of `jobs` workers, appends each verdict to `<report>/verdicts.jsonl` as it completes,
-and writes `junit.xml` at the end.
+and writes `junit.xml` and the kill matrix at the end.
+
+An interrupted run (SIGINT, SIGTERM, `cancel_all`) still reports every selected scenario: those
+running are INCONCLUSIVE with reason "interrupted", those never started NOT_RUN, and every report
+says the run was interrupted. `run_many` then raises `RunInterrupted`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from canaries.driver import drive as drive_workload
 from canaries.driver import make_prompts
 
+if TYPE_CHECKING:
+    from canaries.runtime.safety import SignalLatch
+
 __all__ = ["run_scenario", "run_many", "new_run_id", "default_report_dir", "cancel_all",
-           "repo_root", "spec_for"]
+           "repo_root", "spec_for", "RunInterrupted", "INTERRUPTED", "NOT_RUN"]
 
 READY_TIMEOUT_S = 30.0
 IDLE_WAIT_S = 5.0
 STOP_TIMEOUT_S = 10.0
 MIN_DRIVE_DEADLINE_S = 60.0
+POLL_S = 0.1  # how often the run loop looks for a signal
+WIND_DOWN_S = 15.0  # how long the scenarios running at an interrupt get to finish stopping
+
+INTERRUPTED = "interrupted"  # the reason of a scenario that was running when the run stopped
+NOT_RUN = "NOT_RUN"  # the verdict of a scenario an interrupted run never started
 
 _CANCEL = threading.Event()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """`run_many` was interrupted; every report is written, and says so.
+
+    `signum` is the signal (None when `cancel_all` or an error stopped the run), `records`
+    one per selected scenario, `interruption` the run-level record.
+    """
+
+    def __init__(self, signum: int | None, records: list, interruption: Any) -> None:
+        super().__init__(interruption.summary())
+        self.signum = signum
+        self.records = records
+        self.interruption = interruption
+
+
+class _Cancelled(Exception):
+    """Raised inside `run_scenario` to skip what is left of a scenario once the run stops."""
 
 
 def repo_root() -> Path:
@@ -190,9 +222,11 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
 
     try:
         if _CANCEL.is_set():
-            raise KeyboardInterrupt
+            raise _Cancelled
         base_url = rt.start(spec_path, run_dir)
         mark("start")
+        if _CANCEL.is_set():  # an engine that started as the run stopped
+            raise _Cancelled
         if on_started is not None:
             on_started(rt)
         deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.requests)
@@ -205,15 +239,20 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             if state is not None:
                 _write_jsonl(run_dir / "state.json", [state])
             mark("idle_wait")
+    except _Cancelled:
+        pass
     except RuntimeError as exc:  # the engine never became ready
         error = str(exc)
         timed_out = "not ready within" in error
     finally:
         exit_code = rt.stop(timeout=STOP_TIMEOUT_S)
         mark("stop")
+    # Checked once the engine is down: if the run stopped before, the engine may have been
+    # stopped under the scenario, and whatever it left is no verdict.
+    cancelled = _CANCEL.is_set()
     events = _read_events(run_dir / "events.jsonl")
     mismatches: list[dict] = []
-    if scenario.expect.clean and workload.temperature == 0 and responses:
+    if scenario.expect.clean and workload.temperature == 0 and responses and not cancelled:
         start_ev = next((e for e in events if e.get("kind") == "engine_start"), None)
         config = (start_ev or {}).get("config") or spec.get("engine", {})
         try:
@@ -229,6 +268,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                       timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
                       error=error)
     record = judge(scenario, obs)
+    if cancelled:
+        record = _interrupted(record)
     duration = round(time.monotonic() - started, 3)
     record.extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
                          "exit_code": exit_code, "phases_s": phases,
@@ -252,10 +293,55 @@ def _print_progress(k: int, n: int, name: str, record: Any, duration: float) -> 
           flush=True)
 
 
+def _interrupted(record: Any) -> Any:
+    """A scenario's record once the run stopped while it ran: INCONCLUSIVE, "interrupted";
+    what it would have been judged stays in `extra`."""
+    extra = dict(record.extra)
+    extra["interrupted"] = {"state": "running", "judged": f"{record.verdict}: {record.reason}"}
+    rest = record.signature.split("|", 1)[1] if "|" in record.signature else ""
+    return dataclasses.replace(record, verdict="INCONCLUSIVE", passed=False, reason=INTERRUPTED,
+                               signature=f"INCONCLUSIVE|{rest}", extra=extra)
+
+
+def _unjudged(scenario: Any, verdict: str, reason: str, state: str) -> Any:
+    """The record of a scenario with no run to judge: never started, or never finished."""
+    from canaries.verdict import VerdictRecord
+
+    first_kind = scenario.perturbations[0].kind if scenario.perturbations else "control"
+    return VerdictRecord(
+        scenario=scenario.name, verdict=verdict, passed=False, reason=reason,
+        signature=f"{verdict}||{first_kind}", landed=[], firings=[], latency={},
+        engine_outcome="not_started" if verdict == NOT_RUN else "unknown", ledgers=None,
+        seed=scenario.seed, engine=dict(scenario.engine),
+        expect=dataclasses.asdict(scenario.expect), extra={"interrupted": {"state": state}})
+
+
+def _cause(signum: int | None, error: BaseException | None) -> str:
+    if signum is not None:
+        return signal.Signals(signum).name
+    if error is not None and not isinstance(error, KeyboardInterrupt):
+        return f"{type(error).__name__}: {error}"
+    return "KeyboardInterrupt" if error is not None else "cancel_all"
+
+
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
-             runtime: str = "local", device: str | None = None, progress: bool = True) -> list:
-    """Run every scenario; verdicts.jsonl grows as they finish; junit.xml at the end."""
-    from canaries.report import append_verdict
+             runtime: str = "local", device: str | None = None, progress: bool = True,
+             latch: SignalLatch | None = None) -> list:
+    """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
+    at the end. Returns one record per scenario, in order.
+
+    SIGINT or SIGTERM (in the main thread; or `cancel_all` from anywhere) interrupts the run:
+    no scenario starts after it, the running ones' engines are stopped, every selected
+    scenario gets a line in verdicts.jsonl (INCONCLUSIVE "interrupted" or NOT_RUN), every
+    report says the run was interrupted, and RunInterrupted is raised. Until then further
+    signals are ignored, so that no second Ctrl-C can cut the reports short. Any other error
+    out of a scenario is handled the same way, then re-raised.
+
+    `latch`: the caller's entered `SignalLatch`, to watch instead of entering one here (so
+    that signals stay latched beyond the run, until the caller lets go).
+    """
+    from canaries.report import Interruption, append_verdict
+    from canaries.runtime.safety import SignalLatch, stop_all
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -263,42 +349,116 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     records: dict[int, Any] = {}
     durations: dict[str, float] = {}
     n = len(scenarios)
-    done = 0
+    _CANCEL.clear()
 
     def one(i: int, sc: Any):
+        if _CANCEL.is_set():  # taken off the queue after the run stopped: never started
+            return i, None, 0.0
         t0 = time.monotonic()
         record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device)
         return i, record, time.monotonic() - t0
 
-    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="canary-run")
-    try:
-        futures = [pool.submit(one, i, sc) for i, sc in enumerate(scenarios)]
-        for fut in as_completed(futures):
-            i, record, dt = fut.result()  # as_completed yields here, in this thread only
-            records[i] = record
-            durations[scenarios[i].name] = round(dt, 3)
+    def append(record: Any, *, tolerant: bool) -> None:
+        try:
             append_verdict(verdicts_path, record)
-            done += 1
-            if progress:
-                _print_progress(done, n, scenarios[i].name, record, dt)
-    except BaseException:
-        cancel_all()
-        pool.shutdown(wait=True, cancel_futures=True)
-        _finish(report_dir, [records[i] for i in sorted(records)], durations)
-        raise
-    pool.shutdown(wait=True)
-    ordered = [records[i] for i in sorted(records)]
-    _finish(report_dir, ordered, durations)
-    return ordered
+        except OSError as exc:
+            if not tolerant:
+                raise
+            # Winding down: junit.xml and the kill matrix still carry the record.
+            print(f"canary: could not append to {verdicts_path}: {exc}", file=sys.stderr)
+
+    def keep(i: int, record: Any, dt: float) -> None:
+        records[i] = record
+        durations[scenarios[i].name] = round(dt, 3)
+        append(record, tolerant=_CANCEL.is_set())
+        if progress:
+            _print_progress(len(records), n, scenarios[i].name, record, dt)
+
+    failed: dict[int, BaseException] = {}  # scenarios whose worker raised
+
+    def collect(done: set[Future]) -> None:
+        for fut in sorted(done, key=futures.__getitem__):
+            try:
+                i, record, dt = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - a harness bug: re-raised after the reports
+                failed[futures[fut]] = exc
+                continue
+            if record is not None:
+                keep(i, record, dt)
+
+    with (SignalLatch() if latch is None else contextlib.nullcontext(latch)) as latch:
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="canary-run")
+        futures: dict[Future, int] = {pool.submit(one, i, sc): i for i, sc in enumerate(scenarios)}
+        pending = set(futures)
+        error: BaseException | None = None
+        try:
+            while pending and not failed and not latch.tripped and not _CANCEL.is_set():
+                done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                collect(done)
+        except BaseException as exc:  # noqa: BLE001 - reported below, then re-raised
+            error = exc
+        if error is None and failed:
+            error = failed[min(failed)]
+        if len(records) == n and error is None and not latch.tripped and not _CANCEL.is_set():
+            pool.shutdown(wait=True)
+            ordered = [records[i] for i in range(n)]
+            _finish(report_dir, ordered, durations)
+            return ordered
+
+        # Interrupted: start nothing more, stop every engine, let the running scenarios record
+        # themselves (as interrupted), then write every report saying the run was interrupted.
+        _CANCEL.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        if progress:
+            print(f"canary: {_cause(latch.signum, error)}: stopping every engine, then writing "
+                  f"the reports (further signals are ignored)", file=sys.stderr, flush=True)
+        stop_all(timeout=3.0)
+        # A future cancelled off the queue never counts as done for wait(): leave those out.
+        pending = {f for f in pending if not f.cancelled()}
+        deadline = time.monotonic() + WIND_DOWN_S
+        while pending and time.monotonic() < deadline:
+            done, pending = wait(pending, timeout=0.5)
+            collect(done)
+            stop_all(timeout=3.0)  # an engine that registered after the first sweep
+        for fut, i in sorted(futures.items(), key=lambda item: item[1]):
+            if i in records:
+                continue
+            sc = scenarios[i]
+            if i in failed:
+                exc = failed[i]
+                keep(i, _unjudged(sc, "INCONCLUSIVE", f"harness error: {type(exc).__name__}: "
+                                  f"{exc}", "failed"), 0.0)
+            elif fut.cancelled() or fut.done():  # never dequeued, or dequeued after the stop
+                keep(i, _unjudged(sc, NOT_RUN, "not run: the run was interrupted before it "
+                                  "started", "not_run"), 0.0)
+            else:  # still winding down after WIND_DOWN_S
+                keep(i, _unjudged(sc, "INCONCLUSIVE", INTERRUPTED, "running"), 0.0)
+        ordered = [records[i] for i in range(n)]
+        cut_off = [r.scenario for r in ordered
+                   if (r.extra.get("interrupted") or {}).get("state") in ("running", "failed")]
+        not_run = [r.scenario for r in ordered if r.verdict == NOT_RUN]
+        interruption = Interruption(
+            cause=_cause(latch.signum, error), selected=tuple(s.name for s in scenarios),
+            judged=tuple(r.scenario for r in ordered
+                         if r.scenario not in cut_off and r.scenario not in not_run),
+            interrupted=tuple(cut_off), not_run=tuple(not_run))
+        append(interruption.to_dict(), tolerant=True)
+        _finish(report_dir, ordered, durations, interruption)
+    if error is not None and not isinstance(error, KeyboardInterrupt):
+        raise error
+    raise RunInterrupted(latch.signum if latch.signum is not None else
+                         (signal.SIGINT if isinstance(error, KeyboardInterrupt) else None),
+                         ordered, interruption) from error
 
 
-def _finish(report_dir: Path, records: list, durations: dict) -> None:
+def _finish(report_dir: Path, records: list, durations: dict, interruption: Any = None) -> None:
     """The end-of-run files. A failure here is reported, never allowed to lose verdicts.jsonl."""
     from canaries.report import write_junit, write_kill_matrix
     from canaries.scenario import known_detectors
 
     try:
-        write_junit(records, report_dir / "junit.xml", durations=durations)
-        write_kill_matrix(records, report_dir, known_detectors())
+        write_junit(records, report_dir / "junit.xml", durations=durations,
+                    interruption=interruption)
+        write_kill_matrix(records, report_dir, known_detectors(), interruption)
     except Exception as exc:  # noqa: BLE001 - the verdicts are already on disk
         print(f"canary: could not write the run summary files in {report_dir}: {exc}", file=sys.stderr)

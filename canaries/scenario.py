@@ -60,6 +60,13 @@ PROFILE_DIR = REPO_ROOT / "configs" / "engines"
 DEFAULT_PROFILE = "cpu-tiny"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
+# Limits on a scenario file, far above any real one (under 2 KiB, a few aliases at most), that
+# keep a hostile one (an alias bomb, a huge or deeply nested file) from hurting the validator.
+MAX_FILE_BYTES = 256 * 1024
+MAX_ALIASES = 32
+MAX_NODES = 2_000  # YAML nodes, as written and with aliases expanded
+MAX_DEPTH = 64  # nested mappings and sequences, aliases expanded
+
 TOP_KEYS = ("name", "description", "seed", "engine", "workload", "perturbations", "expect")
 ENGINE_OUTCOMES = ("crashes", "survives")
 # Knobs the harness owns (where the engine listens and logs, the lockstep gate), and the seed,
@@ -70,18 +77,42 @@ _HARNESS_KNOBS = ("sources", "host", "port", "event_log", "seed")
 # Data model.
 
 
+def _printable(text: str) -> str:
+    """`text` with every non-printable character escaped (a key or path may hold any)."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One validation problem: where it is (file, 1-based line, field path) and what is wrong."""
+    """One validation problem: where it is (file, 1-based line, field path) and what is wrong.
+
+    `str()` gives `file:line: field: message`: one line, or more when the message has line
+    breaks (each further line indented), never a trailing newline or a bare carriage return.
+    """
 
     file: str
     line: int | None
     field: str
     message: str
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not self.file:
+            raise ValueError(f"Problem.file must be a non-empty path, got {self.file!r}")
+        if self.line is not None and (not isinstance(self.line, int) or self.line < 1):
+            raise ValueError(f"Problem.line must be None or >= 1, got {self.line!r}")
+        if not isinstance(self.field, str):
+            raise ValueError(f"Problem.field must be a string, got {self.field!r}")
+        if not isinstance(self.message, str) or not self.message.strip():
+            raise ValueError(f"Problem.message must be a non-empty string, got {self.message!r}")
+
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line is not None else self.file
-        return f"{where}: {self.field or '<document>'}: {self.message}"
+        file = _printable(self.file)
+        where = f"{file}:{self.line}" if self.line is not None else file
+        lines = [_printable(part.rstrip()) for part in self.message.splitlines() if part.strip()]
+        return f"{where}: {_printable(self.field) or '<document>'}: " + "\n    ".join(lines)
 
 
 class ScenarioError(ValueError):
@@ -189,8 +220,56 @@ def known_detectors() -> list[str]:
 # YAML with line numbers.
 
 
+class _Refused(yaml.YAMLError):
+    """A document past one of the limits below; `line` is where it went past (1-based)."""
+
+    def __init__(self, message: str, mark: yaml.Mark | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = mark.line + 1 if mark is not None else None
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader whose only booleans are true/false (so `off`, `yes`, `on` stay strings)."""
+    """SafeLoader whose only booleans are true/false (so `off`, `yes`, `on` stay strings).
+
+    It also refuses, while composing and so before anything is expanded, more than
+    MAX_ALIASES aliases, an alias inside the node it names, more than MAX_NODES nodes and
+    nesting deeper than MAX_DEPTH.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+        self._nodes = 0
+        self._depth = 0
+        self._open_anchors: set[str] = set()
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise _Refused(f"more than {MAX_ALIASES} aliases (*{event.anchor} is one too "
+                               "many): a scenario needs a handful at most", event.start_mark)
+            if event.anchor in self._open_anchors:
+                raise _Refused(f"recursive alias: *{event.anchor} is inside the node "
+                               f"&{event.anchor} it names", event.start_mark)
+            return super().compose_node(parent, index)
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise _Refused(f"more than {MAX_NODES} YAML nodes: a scenario has a few hundred at "
+                           "most", event.start_mark)
+        anchor = getattr(event, "anchor", None)
+        self._depth += 1
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+            self._open_anchors.discard(anchor)
 
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
@@ -203,6 +282,46 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _check_expansion(root: yaml.Node) -> None:
+    """Raise _Refused if the document, aliases expanded, exceeds MAX_NODES or MAX_DEPTH.
+
+    The composed graph shares each aliased node, so sizes are summed once per distinct node
+    (post-order, without recursion: an alias chain can be longer than the stack is deep).
+    """
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        count = 1 + sum(sizes[id(c)][0] for c in children)
+        depth = 1 + max((sizes[id(c)][1] for c in children), default=0)
+        if count > MAX_NODES:
+            raise _Refused(f"its aliases expand to more than {MAX_NODES} nodes (an alias bomb?); "
+                           "refused before expanding them", node.start_mark)
+        if depth > MAX_DEPTH:
+            raise _Refused(f"its aliases expand to more than {MAX_DEPTH} levels of nesting; "
+                           "refused before expanding them", node.start_mark)
+        sizes[id(node)] = (count, depth)
+
+
+def _line_and_column(text: str | bytes, offset: int) -> tuple[int, int]:
+    """1-based line and column of `offset` in `text` (characters of a str, bytes of bytes)."""
+    newline = "\n" if isinstance(text, str) else b"\n"
+    line = text.count(newline, 0, offset) + 1
+    return line, offset - (text.rfind(newline, 0, offset) + 1) + 1
+
+
 class _Doc:
     """A parsed YAML document and the lines of its fields (key line and value line per path)."""
 
@@ -212,12 +331,22 @@ class _Doc:
         self.key_lines: dict[str, int] = {}
         self.value_lines: dict[str, int] = {"": 1}
         self.problems: list[Problem] = []
-        loader = _Loader(text)
+        loader = None
         try:
+            loader = _Loader(text)  # the reader rejects non-printable characters here
             node = loader.get_single_node()
             if node is not None:
+                _check_expansion(node)
                 self._walk(node, "")
                 self.data = loader.construct_document(node)
+        except _Refused as exc:
+            self.problems.append(Problem(file, exc.line, "<yaml>", exc.message))
+        except yaml.reader.ReaderError as exc:
+            line, column = _line_and_column(text, exc.position)
+            char = exc.character
+            what = f"#x{char:04x}" if isinstance(char, int) else repr(char)
+            self.problems.append(Problem(file, line, "<yaml>", f"unacceptable character {what} "
+                                         f"at column {column}: {exc.reason}"))
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -229,7 +358,8 @@ class _Doc:
         except yaml.YAMLError as exc:
             self.problems.append(Problem(file, None, "<yaml>", f"YAML error: {exc}"))
         finally:
-            loader.dispose()
+            if loader is not None:
+                loader.dispose()
 
     def _walk(self, node: yaml.Node, path: str) -> None:
         self.value_lines[path] = node.start_mark.line + 1
@@ -271,14 +401,33 @@ def _parent(path: str) -> str:
     return path[:cut] if cut > 0 else ""
 
 
+def _unreadable(file: str, line: int | None, message: str) -> _Doc:
+    doc = _Doc(file, "")
+    doc.problems.append(Problem(file, line, "<file>", message))
+    return doc
+
+
 def _read_doc(path: Path) -> _Doc:
+    """Parse `path`, refusing (as problems) files over MAX_FILE_BYTES and bytes not UTF-8."""
+    file = str(path)
+    too_big = f"a scenario file may hold at most {MAX_FILE_BYTES} bytes (a real one is under 2 KiB)"
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        doc = _Doc(str(path), "")
-        doc.problems.append(Problem(str(path), None, "<file>", f"cannot read: {exc}"))
-        return doc
-    return _Doc(str(path), text)
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:  # refused unread
+            return _unreadable(file, 1, f"{size} bytes: {too_big}")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        return _unreadable(file, None, f"cannot read: {exc}")
+    if len(data) > MAX_FILE_BYTES:  # it grew since the stat, or is no regular file
+        return _unreadable(file, 1, f"more than {MAX_FILE_BYTES} bytes: {too_big}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = _line_and_column(data, exc.start)
+        return _unreadable(file, line, f"not UTF-8: byte 0x{data[exc.start]:02x} at column "
+                                       f"{column} ({exc.reason}); save the file as UTF-8")
+    return _Doc(file, text)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from canaries.report import kill_matrix, write_kill_matrix
+from canaries.report import Interruption, kill_matrix, write_kill_matrix
 
 
 def _record(name: str, kinds: list[str], firings: list[tuple[str, int | None]]) -> dict:
@@ -33,4 +33,20 @@ def test_matrix_counts_detections_after_landing_and_lists_the_gaps(tmp_path: Pat
     table = (tmp_path / "kill_matrix.md").read_text()
     assert "| strip_swa_mapping | 1 | 2 |" in table
     assert kill_matrix([]) == {"kinds": [], "detectors": [], "cells": {}, "detectors_never_fired": [],
-                               "scenarios_killing_nothing": []}
+                               "scenarios_killing_nothing": [], "interrupted": None}
+
+
+def test_matrix_of_an_interrupted_run_says_so_and_blames_no_cut_off_scenario(tmp_path: Path) -> None:
+    records = [_record("done", ["strip_swa_mapping"], [("swa.peer_mapped", 1)]),
+               _record("cut", ["flip_kv_byte"], []),
+               {"scenario": "later", "verdict": "NOT_RUN", "landed": [], "firings": []}]
+    interruption = Interruption("SIGINT", ("done", "cut", "later"), ("done",), ("cut",),
+                                ("later",))
+    matrix = write_kill_matrix(records, tmp_path, interruption=interruption)
+    assert matrix["interrupted"]["cause"] == "SIGINT"
+    assert matrix["interrupted"]["not_run"] == ["later"]
+    assert matrix["scenarios_killing_nothing"] == []  # "cut" never got the chance
+    assert json.loads((tmp_path / "kill_matrix.json").read_text()) == matrix
+    first = (tmp_path / "kill_matrix.md").read_text().splitlines()[0]
+    assert "INCOMPLETE" in first and "interrupted (SIGINT)" in first and "later" in first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kill_matrix.json", "kill_matrix.md"]

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +25,8 @@ from canaries.scenario import (
     load_scenario,
     validate_paths,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 VALID = """\
 name: strip-mapping-page1
@@ -276,3 +284,138 @@ def test_json_schema_accepts_valid_and_rejects_unknown_keys() -> None:
     assert list(validator.iter_errors(doc)) == []
     assert list(validator.iter_errors({**doc, "bogus": 1}))
     assert list(validator.iter_errors({**doc, "expect": {"clean": True, "fires": ["swa.peer_mapped"]}}))
+
+
+# ---- hostile files: refused fast, as problems, never a traceback ------------------------------
+
+MEMORY_LIMIT = 1536 * 2**20  # the address space a hostile file gets to fail in
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """The "billion laughs": each level a list of `width` aliases of the one before."""
+    names = [chr(ord("a") + i) for i in range(levels)]
+    items = ", ".join(['"x"'] * width)
+    lines = [f"{names[0]}: &{names[0]} [{items}]"]
+    for prev, name in zip(names, names[1:], strict=False):
+        items = ", ".join([f"*{prev}"] * width)
+        lines.append(f"{name}: &{name} [{items}]")
+    return "\n".join(lines) + "\n"
+
+
+def _run_limited(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter whose address space is capped at MEMORY_LIMIT."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, preexec_fn=cap, check=False)
+
+
+TIMED_VALIDATE = """\
+import json, sys, time
+from canaries.scenario import known_detectors, validate_paths
+known_detectors()  # the registries load once per process: not the file's cost
+t0 = time.perf_counter()
+problems = validate_paths([sys.argv[1]])
+print(json.dumps({"seconds": time.perf_counter() - t0, "problems": [str(p) for p in problems]}))
+"""
+
+
+def test_validate_alias_bomb_is_refused_within_a_second_under_a_memory_cap(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: bomb\nexpect: {clean: true}\n" + alias_bomb())
+    assert path.stat().st_size < 1024
+    proc = _run_limited(TIMED_VALIDATE, str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["seconds"] < 1.0, result
+    assert any(re.match(rf"{re.escape(str(path))}:\d+: \S+: .*alias", p)
+               for p in result["problems"]), result["problems"]
+
+
+@pytest.mark.parametrize(("command", "exit_code"), [("validate", 1), ("run", 2)])
+def test_cli_alias_bomb_is_a_problem_not_a_traceback(tmp_path: Path, command: str,
+                                                     exit_code: int) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: bomb\nexpect: {clean: true}\n" + alias_bomb())
+    proc = _run_limited("import sys; from canaries.cli import main; sys.exit(main(sys.argv[1:]))",
+                        command, str(path), "--report-dir" if command == "run" else "",
+                        str(tmp_path / "report") if command == "run" else "")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == exit_code, text[-2000:]
+    assert "Traceback" not in text and f"{path}:" in text and "alias" in text
+
+
+def test_load_few_aliases_expanding_past_the_node_limit_are_refused(tmp_path: Path) -> None:
+    # Under the alias limit, yet 30 copies of a 100-item list: refused by its expanded size.
+    path = write(tmp_path, "name: wide\nexpect: {clean: true}\nbase: &a [" + ", ".join(["x"] * 100)
+                 + "]\ncopies: [" + ", ".join(["*a"] * 30) + "]\n")
+    problem = only(problems_of(path), "<yaml>")
+    assert problem.line == 4 and "expand" in problem.message
+
+
+def test_load_recursive_alias_is_a_problem(tmp_path: Path) -> None:
+    path = write(tmp_path, "name: loop\nexpect: {clean: true}\nloop: &a [*a]\n")
+    problem = only(problems_of(path), "<yaml>")
+    assert problem.line == 3 and "alias" in problem.message
+
+
+def test_load_deep_nesting_is_a_problem(tmp_path: Path) -> None:
+    path = write(tmp_path, "name: deep\nexpect: {clean: true}\ndeep: " + "[" * 5000 + "]" * 5000
+                 + "\n")
+    problem = only(problems_of(path), "<yaml>")
+    assert problem.line == 3 and "nest" in problem.message
+
+
+def test_load_file_over_the_size_limit_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "huge.yaml"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(VALID)
+        f.write(("# padding " + "x" * 90 + "\n") * 50_000)  # 5 MB of comments: valid YAML
+    assert path.stat().st_size > 5_000_000
+
+    def no_full_read(self, *args, **kwargs):
+        raise AssertionError("the whole file was read")
+
+    monkeypatch.setattr(Path, "read_text", no_full_read)
+    monkeypatch.setattr(Path, "read_bytes", no_full_read)
+    problem = only(problems_of(path), "<file>")
+    assert problem.line == 1 and "bytes" in problem.message
+    assert str(problem).startswith(f"{path}:1: <file>: ")
+
+
+def test_load_non_utf8_file_names_line_and_column_of_the_bad_byte(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(VALID.replace("free_swa meets", "caf\xe9 meets").encode("latin-1"))
+    problem = only(problems_of(path), "<file>")
+    assert problem.line == 2 and "column 17" in problem.message and "UTF-8" in problem.message
+    assert str(problem).startswith(f"{path}:2: ")
+
+
+def test_load_control_character_is_a_problem_on_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "name: x\ndescription: bell\x07\nexpect: {clean: true}\n")
+    problem = only(problems_of(path), "<yaml>")
+    assert problem.line == 2 and "#x0007" in problem.message
+
+
+def test_problem_with_line_breaks_prints_as_complete_lines() -> None:
+    problem = Problem("s.yaml", 3, "engine.a\rb", "first\nsecond\r\u2028third\n")
+    text = str(problem)
+    lines = text.split("\n")
+    assert lines[0].startswith("s.yaml:3: ") and all(ln.startswith("    ") for ln in lines[1:])
+    assert not any(ch in text for ch in "\r\u2028") and not text.endswith("\n")
+
+
+def test_cli_validate_prints_each_problem_on_lines_of_its_own(tmp_path: Path) -> None:
+    (tmp_path / "a-syntax.yaml").write_text("name: bad\nexpect: {clean: true\n")
+    (tmp_path / "b-key.yaml").write_text('name: bad2\n"bo\\rgus": 1\nexpect: {clean: true}\n')
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-m", "canaries.cli", "validate", str(tmp_path)],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                          timeout=60, check=False)
+    lines = proc.stdout.decode("utf-8").split("\n")
+    assert proc.returncode == 1
+    assert lines[-2:] == ["2 problem(s) in 2 file(s)", ""], lines
+    assert all(line.startswith(f"{tmp_path}/") or line.startswith("    ")
+               for line in lines[:-2]), lines

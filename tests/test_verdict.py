@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries.report import append_verdict, read_verdicts, write_junit
+from canaries.report import Interruption, append_verdict, read_run, read_verdicts, write_junit
 from canaries.scenario import Disabled, Expect, Scenario, Workload
 from canaries.verdict import PASSING, VERDICTS, Observation, VerdictRecord, judge
 from engine_stub.perturb.spec import PerturbationSpec
@@ -215,3 +215,43 @@ def test_read_verdicts_skips_a_torn_last_line(tmp_path: Path) -> None:
     append_verdict(path, record("c", "CLEAN", True))
     assert [r["scenario"] for r in read_verdicts(path)] == ["a", "c"]
     assert read_verdicts(tmp_path / "missing.jsonl") == []
+
+
+def test_write_junit_of_an_interrupted_run_fails_and_says_interrupted(tmp_path: Path) -> None:
+    records = [record("a", "CLEAN", True), record("b", "INCONCLUSIVE", False),
+               record("c", "NOT_RUN", False)]
+    interruption = Interruption("SIGTERM", ("a", "b", "c"), ("a",), ("b",), ("c",))
+    path = tmp_path / "junit.xml"
+    write_junit(records, path, interruption=interruption)
+    root = ET.parse(path).getroot()
+    props = {p.get("name"): p.get("value") for p in root.find("properties").iter("property")}
+    assert props["interrupted"] == "SIGTERM" and "not run: c" in props["interrupted_summary"]
+    cases = {(c.get("classname"), c.get("name")): c for c in root.iter("testcase")}
+    assert cases[("canary", "c")].find("error").get("type") == "NOT_RUN"
+    assert cases[("canary.run", "interrupted")].find("error").get("type") == "INTERRUPTED"
+    assert root.find(".//skipped") is None
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) \
+        == ("4", "0", "3", "0")
+
+
+def test_read_run_finds_the_run_record_and_read_verdicts_skips_it(tmp_path: Path) -> None:
+    path = tmp_path / "verdicts.jsonl"
+    append_verdict(path, record("a", "CLEAN", True))
+    assert read_run(path) is None
+    append_verdict(path, record("b", "NOT_RUN", False))
+    append_verdict(path, Interruption("SIGINT", ("a", "b"), ("a",), (), ("b",)).to_dict())
+    assert [r["scenario"] for r in read_verdicts(path)] == ["a", "b"]
+    run = read_run(path)
+    assert run["run"] == "interrupted" and run["cause"] == "SIGINT" and run["not_run"] == ["b"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"cause": ""},
+    {"judged": ("a",), "not_run": ("a", "b")},
+    {"selected": ("a", "a")},
+])
+def test_interruption_that_does_not_partition_the_selection_is_refused(bad: dict) -> None:
+    fields = {"cause": "SIGINT", "selected": ("a", "b"), "judged": ("a",), "interrupted": (),
+              "not_run": ("b",), **bad}
+    with pytest.raises(ValueError, match="Interruption"):
+        Interruption(**fields)

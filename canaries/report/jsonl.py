@@ -1,4 +1,8 @@
-"""verdicts.jsonl: one JSON line per judged scenario, appended durably, never rewritten."""
+"""verdicts.jsonl: one JSON line per scenario, appended durably, never rewritten.
+
+An interrupted run's file also has a line for every scenario it did not judge (INCONCLUSIVE or
+NOT_RUN) and ends with one run-level record, `{"run": "interrupted", ...}` (`read_run`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_verdict", "as_dict", "read_verdicts"]
+__all__ = ["RUN_KEY", "append_verdict", "as_dict", "read_run", "read_verdicts"]
+
+RUN_KEY = "run"  # the key that marks a run-level record, as opposed to a scenario's
 
 
 def as_dict(record: Any) -> dict:
@@ -40,10 +46,7 @@ def append_verdict(path: str | os.PathLike, record: Any) -> None:
         os.fsync(f.fileno())
 
 
-def read_verdicts(path: str | os.PathLike) -> list[dict]:
-    """Every record in `path` (none if it does not exist); unparsable lines are skipped only
-    when they are torn writes (the last line, or closed off by a later append)."""
-    path = Path(path)
+def _read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     records = []
@@ -58,3 +61,15 @@ def read_verdicts(path: str | os.PathLike) -> list[dict]:
                 continue  # a torn write
             raise ValueError(f"{path}:{i}: not a JSON record: {exc}") from None
     return records
+
+
+def read_verdicts(path: str | os.PathLike) -> list[dict]:
+    """Every scenario record in `path` (none if it does not exist); unparsable lines are skipped
+    only when they are torn writes (the last line, or closed off by a later append)."""
+    return [r for r in _read_records(Path(path)) if RUN_KEY not in r]
+
+
+def read_run(path: str | os.PathLike) -> dict | None:
+    """The last run-level record in `path` (an interrupted run's), or None."""
+    runs = [r for r in _read_records(Path(path)) if RUN_KEY in r]
+    return runs[-1] if runs else None

@@ -271,6 +271,9 @@ class DockerRuntime:
         return self.base_url
 
     def _open_run_dir(self, run_dir: Path, spec_path: str | os.PathLike | None) -> None:
+        """Lend the run dir to the container's user for the run: that user owns it and no one
+        else may write to it (root on the host still reads it and cleans up);
+        `_restore_run_dir` hands it back."""
         st = run_dir.stat()
         container_uid = 10001
         with contextlib.suppress(Exception):
@@ -278,7 +281,13 @@ class DockerRuntime:
             if user.split(":")[0].isdigit():
                 container_uid = int(user.split(":")[0])
         self._restore = (st.st_mode & 0o7777, st.st_uid, st.st_gid, container_uid)
-        os.chmod(run_dir, 0o777)
+        try:
+            os.chown(run_dir, container_uid, -1)
+            os.chmod(run_dir, (st.st_mode & 0o755) | 0o700)  # never group- or world-writable
+        except OSError as exc:
+            self._restore_run_dir()
+            raise RuntimeError(f"cannot lend the run dir {run_dir} to the container's user "
+                               f"{container_uid}: {exc}") from exc
         if spec_path is not None:
             spec = Path(spec_path)
             with contextlib.suppress(OSError):
@@ -286,15 +295,23 @@ class DockerRuntime:
                     os.chmod(spec, spec.stat().st_mode | 0o444)
 
     def _restore_run_dir(self) -> None:
+        """The run dir's owner and mode as before the run; what the container wrote in it
+        belongs to the run dir's owner."""
         if self._restore is None or self.run_dir is None:
             return
         mode, uid, gid, container_uid = self._restore
         self._restore = None
         with contextlib.suppress(OSError):
-            for path in [self.run_dir, *self.run_dir.rglob("*")]:
+            os.chown(self.run_dir, uid, gid)
+            os.chmod(self.run_dir, mode)
+        try:
+            paths = list(self.run_dir.rglob("*"))
+        except OSError:
+            paths = []
+        for path in paths:
+            with contextlib.suppress(OSError):
                 if path.lstat().st_uid == container_uid:
                     os.lchown(path, uid, gid)
-            os.chmod(self.run_dir, mode)
 
     def _published_port(self) -> int:
         deadline = time.monotonic() + 10
