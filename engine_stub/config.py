@@ -114,11 +114,11 @@ class EngineConfig:
             if getattr(self, name) % self.page_size:
                 raise bad(culprit(name, "page_size"),
                           f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}")
-        if self.swa_pool_tokens <= self.window + 2 * self.page_size:
-            # Every request holds up to one window plus two pages of SWA slots between evictions.
+        headroom = self.swa_headroom
+        if self.swa_pool_tokens <= headroom:
             raise bad(culprit("swa_pool_tokens", "window", "page_size"),
-                      f"swa_pool_tokens={self.swa_pool_tokens} must exceed window + 2 * page_size = "
-                      f"{self.window + 2 * self.page_size}")
+                      f"swa_pool_tokens={self.swa_pool_tokens} must exceed one request's SWA headroom, "
+                      f"max(window, page_size) + window + 2 * page_size = {headroom}")
         if self.swa_pool_tokens > self.full_pool_tokens:
             raise bad(culprit("swa_pool_tokens", "full_pool_tokens"),
                       f"swa_pool_tokens={self.swa_pool_tokens} must not exceed "
@@ -149,6 +149,13 @@ class EngineConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def swa_headroom(self) -> int:
+        """SWA slots one running request may hold between two window evictions: its kept window
+        (at least a page), one eviction interval of new tokens (a window, the scheduler's
+        cadence) and two pages of rounding."""
+        return max(self.window, self.page_size) + self.window + 2 * self.page_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":

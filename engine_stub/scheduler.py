@@ -1,8 +1,8 @@
 """Scheduler: continuous batching over the hybrid SWA memory path.
 
 One `step()` is a prefill batch (when waiting requests can be admitted) or else a decode batch.
-Decode first slides every request's window (`free_swa` below the `swa_evicted_seqlen` frontier),
-then allocates one slot per request. A finished request goes into the radix cache (its
+Decode first slides the requests' windows (`free_swa` below the `swa_evicted_seqlen` frontier,
+rate-limited per request as in SGLang), then allocates one slot per request. A finished request goes into the radix cache (its
 window-evicted range as tombstones) or is freed.
 
 Free groups follow SGLang's scheduler: the frees of finishing requests (its
@@ -69,10 +69,9 @@ class Scheduler:
         self.device = torch.device(config.resolved_device())
         self.page_size = config.page_size
         self.window = config.window
-        self.allocator = SWATokenToKVPoolAllocator(
-            config.full_pool_tokens, config.swa_pool_tokens, config.page_size, self.device
-        )
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
+        # Decode batches between two window evictions of a request (SGLang's older cadence,
+        # `decode_batch_idx % sliding_window_size == 1`; see `_evict_windows`).
+        self.swa_eviction_interval = config.window
         self.kv_pool = HybridKVPool(
             layer_pattern=config.layer_pattern,
             full_size=config.full_pool_tokens,
@@ -80,9 +79,15 @@ class Scheduler:
             page_size=config.page_size,
             num_heads=config.num_heads,
             head_dim=config.head_dim,
-            full_to_swa_index_mapping=self.allocator.full_to_swa_index_mapping,
             device=self.device,
         )
+        # need_sort=False: SGLang's value outside PD disaggregation. The allocator registers its
+        # mapping with the KV pool.
+        self.allocator = SWATokenToKVPoolAllocator(
+            config.full_pool_tokens, config.swa_pool_tokens, config.page_size, self.device,
+            dtype=self.kv_pool.dtype, kvcache=self.kv_pool, need_sort=False,
+        )
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
         self.model = TinyHybridModel(
             ModelConfig(config.layer_pattern, config.window, config.hidden_size, config.num_heads, config.seed),
             self.device,
@@ -246,8 +251,10 @@ class Scheduler:
     # ---- prefill admission --------------------------------------------------------------------
 
     def _swa_headroom(self) -> int:
-        """SWA slots one running request may hold between two window evictions."""
-        return self.window + 2 * self.page_size
+        """SWA slots one running request may hold between two window evictions: the kept window
+        (at least a page), the tokens of one eviction interval, and two pages of rounding."""
+        assert self.swa_eviction_interval == self.config.window, "config.swa_headroom assumes it"
+        return self.config.swa_headroom
 
     def _full_reserve(self, new_tokens: int) -> int:
         """Full slots a request keeps in reserve for `new_tokens` more tokens (plus one page)."""
@@ -309,7 +316,7 @@ class Scheduler:
             if lock is not None:
                 self.tree_cache.dec_lock_ref(lock)
             return False
-        (req.row,) = self.req_to_token_pool.alloc(1)
+        self.req_to_token_pool.alloc([req])
         if prefix_len:
             self.req_to_token_pool.write(req.row, 0, match.slots)
         self.req_to_token_pool.write(req.row, prefix_len, slots)
@@ -390,15 +397,29 @@ class Scheduler:
         return self.allocator.alloc_decode([r.kv_len + 1 for r in reqs], table[rows, cols].to(torch.int64))
 
     def _evict_windows(self, reqs: list[Req]) -> None:
-        """Release SWA peers that slid out of every request's window (below kv_len - window).
+        """Release the SWA peers that slid out of each request's window (SGLang's
+        `maybe_evict_swa` and `free_swa_out_of_window_slots`).
+
+        Rate-limited per request: decode batch `idx` of a request (0 for its first decode)
+        evicts when `idx % swa_eviction_interval == 1`, never at 0 (SGLang skips it: under overlap
+        scheduling the prefill may still be in flight). The frontier first rises to
+        `cache_protected_len` (the tree owns that prefix), then to `pre_len - keep` floored to a
+        page, with `pre_len = kv_len` and `keep = max(window, page)` when a radix cache holds the
+        request (so the frontier stays below the insert boundary and the last inserted leaf is
+        never all tombstone), or `keep = window` without one.
 
         One `free_swa` per request, as SGLang does: a slot two rows share (a corrupted row) is
         then freed twice in two calls, and the second call sees its peer already released.
         """
         table = self.req_to_token_pool.req_to_token
+        page, interval = self.page_size, max(self.swa_eviction_interval, 1)
+        keep = max(self.window, page) if self.tree_cache is not None else self.window
         for req in reqs:
-            frontier = req.swa_evicted_seqlen
-            new_frontier = _page_floor(max(frontier, req.kv_len - self.window), self.page_size)
+            decode_batch_idx = len(req.output_ids) - 1
+            if decode_batch_idx < 1 or (decode_batch_idx - 1) % interval:
+                continue
+            frontier = req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, req.cache_protected_len)
+            new_frontier = _page_floor(max(frontier, req.kv_len - keep), page)
             if new_frontier <= frontier:
                 continue
             slots = table[req.row, frontier:new_frontier].to(torch.int64)
@@ -420,7 +441,7 @@ class Scheduler:
         overridden = self._hook(Site.ON_REQUEST_FINISH, req=req)
         if not overridden.get("leak", False):
             self._release_kv(req)
-            self.req_to_token_pool.free(req.row)
+            self.req_to_token_pool.free(req)
         if "then_free_full" in overridden:
             self.allocator.free_full(overridden["then_free_full"])
         self.stats["finished_requests"] += 1
@@ -460,21 +481,25 @@ class Scheduler:
     def _read_back(self, sampled: torch.Tensor) -> list[int]:
         """The step's one device-to-host copy: sampled tokens, invariant counters, canary counts.
 
-        Invariants and the canary keep their results on the device; riding along with the tokens
-        (which the host needs anyway) means they add no synchronization to the step.
+        Invariants, the allocator's drop counters and the canary keep their results on the
+        device; riding along with the tokens (which the host needs anyway) means they add no
+        synchronization to the step.
         """
         names, counters = counter_snapshot()
         canary_counts = self.canary.pending_counts()
-        parts = [sampled.to(torch.int64)]
+        parts = [sampled.to(torch.int64), self.allocator.drop_counter().to(sampled.device)]
         parts += [t.to(sampled.device) for t in (counters, canary_counts) if t is not None]
-        host = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        host = torch.cat(parts).tolist()
         n_tokens, n_counters = sampled.numel(), len(names)
+        tokens, drops, rest = host[:n_tokens], host[n_tokens:n_tokens + 2], host[n_tokens + 2:]
+        # The allocator's bad-free drops (both sides): no new drop, no hole in its free lists.
+        self.allocator.note_drop_totals(drops)
         totals: dict[str, int] = {}
-        for name, value in zip(names, host[n_tokens:n_tokens + n_counters], strict=True):
+        for name, value in zip(names, rest[:n_counters], strict=True):
             totals[name] = totals.get(name, 0) + int(value)
         self._read_totals = totals
-        self._read_canary = host[n_tokens + n_counters:] if canary_counts is not None else None
-        return host[:n_tokens]
+        self._read_canary = rest[n_counters:] if canary_counts is not None else None
+        return tokens
 
     def _end_of_step(self, kind: str) -> None:
         totals, self._read_totals = self._read_totals, None

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from engine_stub.invariants import override_level
+from engine_stub.invariants import hit_counts, override_level
 from engine_stub.mem.radix import LockHandle, SWARadixCache, TreeNode
 from engine_stub.mem.swa import SWATokenToKVPoolAllocator
 
@@ -175,21 +175,122 @@ def test_insert_duplicate_frees_incoming_slots(
     assert tree.sanity_check() == []
 
 
-def test_insert_duplicate_over_tombstone_keeps_the_tombstone(
+def test_insert_live_copy_over_unlocked_tombstone_adopts_it_and_frees_the_tree_full_slots(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
+) -> None:
+    toks = _tokens(16)
+    original = _cache(alloc, tree, toks, swa_evicted=8)
+    dup = alloc.alloc(16)
+    assert dup is not None
+
+    assert tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=0) == 16
+
+    # The tombstone took the incoming head (its SWA KV is live again); the tree's own head and
+    # the incoming duplicate of the live tail went back.
+    (path,) = tree.cached_paths()
+    assert torch.equal(path.slots, torch.cat([dup[:8], original[8:]]))
+    assert path.swa_live.tolist() == [True] * 16
+    assert _available(alloc) == (FULL_SIZE - 16, SWA_SIZE - 16)
+    assert tree.match_prefix(toks).matched_len == 16
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+def test_insert_live_copy_over_locked_tombstone_repairs_the_locked_full_slots(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
+) -> None:
+    toks = _tokens(16)
+    original = _cache(alloc, tree, toks, swa_evicted=8)
+    handle = tree.inc_lock_ref(_node_at(tree, toks))  # a running request holds both nodes in full
+    dup = alloc.alloc(16)
+    assert dup is not None
+    dup_peers = alloc.translate_loc_from_full_to_swa(dup[:8]).clone()
+
+    tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=0)
+
+    # The locked full slots stay where the running request reads them, paired with the incoming
+    # SWA peers; only the incoming full slots went back.
+    (path,) = tree.cached_paths()
+    assert torch.equal(path.slots, original)
+    assert path.swa_live.tolist() == [True] * 16
+    assert torch.equal(alloc.translate_loc_from_full_to_swa(original[:8]), dup_peers)
+    assert alloc.translate_loc_from_full_to_swa(dup).tolist() == [0] * 16
+    tree.dec_lock_ref(handle)
+    assert _available(alloc) == (FULL_SIZE - 16, SWA_SIZE - 16)
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["unlocked", "locked"])
+def test_insert_partly_live_copy_over_tombstone_splits_and_adopts_the_live_tail(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache, page_size: int, locked: bool
+) -> None:
+    toks = _tokens(16)
+    original = _cache(alloc, tree, toks, swa_evicted=8)
+    handle = tree.inc_lock_ref(_node_at(tree, toks)) if locked else None
+    dup = alloc.alloc(16)
+    assert dup is not None
+    alloc.free_swa(dup[:4])  # the incoming copy slid its first 4 tokens out of the window
+
+    tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=4)
+
+    (path,) = tree.cached_paths()
+    assert path.swa_live.tolist() == [False] * 4 + [True] * 12
+    head = original[:4]
+    assert torch.equal(path.slots, original if locked else torch.cat([head, dup[4:8], original[8:]]))
+    if handle is not None:
+        tree.dec_lock_ref(handle)
+    assert _available(alloc) == (FULL_SIZE - 16, SWA_SIZE - 12)
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+def test_insert_evicted_copy_over_tombstone_frees_the_incoming_full_slots(
     alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
 ) -> None:
     toks = _tokens(16)
     original = _cache(alloc, tree, toks, swa_evicted=8)
     before = _available(alloc)
-
     dup = alloc.alloc(16)
     assert dup is not None
-    assert tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=0) == 16
+    alloc.free_swa(dup[:8])
+
+    assert tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=8) == 16
 
     assert _available(alloc) == before
     (path,) = tree.cached_paths()
     assert torch.equal(path.slots, original)
     assert path.swa_live.tolist() == [False] * 8 + [True] * 8
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["unlocked", "locked"])
+def test_recover_tombstone_inside_a_free_group_keeps_the_guard_quiet_and_ledgers_balanced(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache, locked: bool
+) -> None:
+    """The finish path runs inside one free group (SGLang's process_batch_result): the re-paired
+    slots must not trip `swa.peer_released`, whose check runs at enqueue, and the group end must
+    release exactly the incoming full slots and the tree's old ones, never the adopted SWA peers."""
+    toks = _tokens(16)
+    original = _cache(alloc, tree, toks, swa_evicted=8)
+    handle = tree.inc_lock_ref(_node_at(tree, toks)) if locked else None
+    other = alloc.alloc(8)  # a second finishing request, freed in the same group
+    dup = alloc.alloc(16)
+    assert other is not None and dup is not None
+    adopted = alloc.translate_loc_from_full_to_swa(dup[:8]).clone()
+
+    alloc.free_group_begin()
+    alloc.free(other)
+    tree.insert(toks, dup, prev_prefix_len=0, swa_evicted_seqlen=0)
+    alloc.free_group_end()
+
+    assert hit_counts()["swa.peer_released"] == 0 and hit_counts()["swa.peer_mapped"] == 0
+    live_head = original[:8] if locked else dup[:8]
+    assert torch.equal(alloc.translate_loc_from_full_to_swa(live_head), adopted)
+    if handle is not None:
+        tree.dec_lock_ref(handle)
+    assert _available(alloc) == (FULL_SIZE - 16, SWA_SIZE - 16)
     _assert_ledgers_balance(alloc, tree)
     assert tree.sanity_check() == []
 
@@ -316,7 +417,8 @@ def test_evict_swa_tombstones_internal_nodes_and_frees_leaves(
     _assert_ledgers_balance(alloc, tree)
 
     tree.dec_lock_ref(handle)
-    assert tree.evict(0, 1) == (16, 8)  # b freed, then its tombstone parent
+    # b freed, then its tombstone parent; like SGLang the SWA phase counts only the leaf.
+    assert tree.evict(0, 1) == (8, 8)
     assert _available(alloc) == (FULL_SIZE, SWA_SIZE)
 
 
@@ -340,6 +442,55 @@ def test_evict_never_touches_locked_nodes(
     assert tree.sanity_check() == []
     assert tree.evict(1000, 0) == (24, 8)
     assert _available(alloc) == (FULL_SIZE, SWA_SIZE)
+
+
+def test_swa_evict_under_pressure_tombstones_the_shared_prefix_and_keeps_the_leaves(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
+) -> None:
+    shared = _tokens(8)
+    a, b = shared + _tokens(8, base=100), shared + _tokens(8, base=200)
+    _cache(alloc, tree, a)
+    _cache(alloc, tree, b)  # splits a's node: the shared head is now older than both leaves
+
+    assert tree.evict(0, 8) == (0, 8)
+
+    assert _node_at(tree, shared).swa_tombstone
+    paths = {tuple(p.token_ids): p.swa_live.tolist() for p in tree.cached_paths()}
+    assert paths == {tuple(a): [False] * 8 + [True] * 8, tuple(b): [False] * 8 + [True] * 8}
+    assert tree.total_size() == 24
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+def test_match_then_swa_evict_takes_other_leaves_then_the_matched_prefix_not_its_leaf(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
+) -> None:
+    shared = _tokens(8)
+    a, b = shared + _tokens(8, base=100), shared + _tokens(8, base=200)
+    _cache(alloc, tree, a)
+    _cache(alloc, tree, b)
+    tree.match_prefix(a)  # a's path is now the most recent, its leaf more recent than the prefix
+
+    assert tree.evict(0, 8) == (8, 8)  # b's leaf, the least recently used, goes whole
+    assert [p.token_ids for p in tree.cached_paths()] == [a]
+    assert tree.evict(0, 8) == (0, 8)  # then the shared prefix is tombstoned; a's leaf stays
+    (path,) = tree.cached_paths()
+    assert path.swa_live.tolist() == [False] * 8 + [True] * 8
+    _assert_ledgers_balance(alloc, tree)
+    assert tree.sanity_check() == []
+
+
+def test_lru_lists_order_a_touched_path_child_after_parent(
+    alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
+) -> None:
+    toks = _tokens(24)
+    _cache(alloc, tree, toks, swa_evicted=8)  # a tombstone of 8, a live leaf of 16
+    tree.match_prefix(toks[:16])  # splits the leaf: nodes of 8 (tombstone), 8, 8
+
+    first, middle, last = (_node_at(tree, toks[:n]) for n in (8, 16, 24))
+    assert tree.full_lru_list.nodes() == [last, first, middle]
+    assert tree.swa_lru_list.nodes() == [last, middle]  # no tombstone on the SWA list
+    assert tree.sanity_check() == []
 
 
 def test_evict_with_nothing_cached_frees_nothing(tree: SWARadixCache) -> None:

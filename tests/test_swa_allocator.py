@@ -13,7 +13,8 @@ from engine_stub.invariants import (
     hit_counts,
     override_level,
 )
-from engine_stub.mem import SWATokenToKVPoolAllocator
+from engine_stub.mem import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
+from engine_stub.mem.kv_pool import HybridKVPool
 from engine_stub.synccheck import count_syncs
 
 OFF, WARN, STRICT = InvariantCheckLevel.OFF, InvariantCheckLevel.WARN, InvariantCheckLevel.STRICT
@@ -52,7 +53,46 @@ def _peer_mapped_predicate(allocator: SWATokenToKVPoolAllocator, slots: torch.Te
 # {full slot: mapping entry} for the slots the step touched).
 Step = tuple[str, object, object, tuple[int, int], dict[int, int]]
 
+# need_sort=False (SGLang outside PD disaggregation, the engine's setting): a page_size 1 free
+# joins the free list's tail at once, a paged free its head (the next page handed out).
 SCRIPT_PAGE_1: list[Step] = [
+    ("alloc", 4, [1, 2, 3, 4], (12, 4), {1: 1, 2: 2, 3: 3, 4: 4}),
+    ("free_swa", [1, 2], None, (12, 6), {1: 0, 2: 0, 3: 3, 4: 4}),
+    ("free_full", [1, 2], None, (14, 6), {1: 0, 2: 0}),
+    # The freed SWA slots come back from the list's tail: the pairing stops being identity.
+    ("alloc", 6, [5, 6, 7, 8, 9, 10], (8, 0), {5: 5, 6: 6, 7: 7, 8: 8, 9: 1, 10: 2}),
+    ("alloc", 1, None, (8, 0), {}),
+    ("free", [3, 4], None, (10, 2), {3: 0, 4: 0}),
+    ("begin", None, None, (10, 2), {}),
+    ("free_swa", [5, 6], None, (10, 2), {5: 0, 6: 0}),
+    ("free", [7, 8], None, (10, 2), {7: 0, 8: 0}),
+    ("free_full", [5, 6], None, (10, 2), {5: 0, 6: 0}),
+    ("end", None, None, (14, 6), {9: 1, 10: 2}),
+    ("clear", [9, 10], None, (14, 6), {9: 0, 10: 0}),
+    # The cleared peers (SWA 1 and 2) are stranded: only the full side comes back.
+    ("free_full", [9, 10], None, (16, 6), {9: 0, 10: 0}),
+]
+
+SCRIPT_PAGE_4: list[Step] = [
+    ("alloc", 8, list(range(4, 12)), (24, 8), {4: 4, 7: 7, 8: 8, 11: 11}),
+    # One slot stands for its whole page.
+    ("free_swa", [5], None, (24, 12), {4: 0, 5: 0, 6: 0, 7: 0, 8: 8}),
+    ("free_full", [4, 5, 6, 7], None, (28, 12), {4: 0, 7: 0}),
+    # The freed page is the first one handed out again, on both sides.
+    ("alloc", 12, [*range(4, 8), *range(12, 20)], (16, 0), {4: 4, 7: 7, 12: 12, 19: 19}),
+    ("alloc", 4, None, (16, 0), {}),
+    ("free", [8, 9, 10, 11], None, (20, 4), {8: 0, 11: 0}),
+    ("begin", None, None, (20, 4), {}),
+    ("free_swa", [12], None, (20, 4), {12: 0, 13: 0, 14: 0, 15: 0, 16: 16}),
+    ("free", [16, 17, 18, 19], None, (20, 4), {16: 0, 19: 0}),
+    ("free_full", [12, 13, 14, 15], None, (20, 4), {12: 0}),
+    ("end", None, None, (28, 12), {4: 4, 7: 7}),
+    ("clear", [4, 5, 6, 7], None, (28, 12), {4: 0, 7: 0}),
+    ("free_full", [4, 5, 6, 7], None, (32, 12), {4: 0}),
+]
+
+# need_sort=True (SGLang under PD disaggregation): frees are staged and sorted in when short.
+SORTED_SCRIPT_PAGE_1: list[Step] = [
     ("alloc", 4, [1, 2, 3, 4], (12, 4), {1: 1, 2: 2, 3: 3, 4: 4}),
     ("free_swa", [1, 2], None, (12, 6), {1: 0, 2: 0, 3: 3, 4: 4}),
     ("free_full", [1, 2], None, (14, 6), {1: 0, 2: 0}),
@@ -70,7 +110,7 @@ SCRIPT_PAGE_1: list[Step] = [
     ("free_full", [9, 10], None, (16, 6), {9: 0, 10: 0}),
 ]
 
-SCRIPT_PAGE_4: list[Step] = [
+SORTED_SCRIPT_PAGE_4: list[Step] = [
     ("alloc", 8, list(range(4, 12)), (24, 8), {4: 4, 7: 7, 8: 8, 11: 11}),
     # One slot stands for its whole page.
     ("free_swa", [5], None, (24, 12), {4: 0, 5: 0, 6: 0, 7: 0, 8: 8}),
@@ -104,12 +144,20 @@ def _run_step(allocator: SWATokenToKVPoolAllocator, op: str, arg: object) -> tor
 
 class TestScript:
     @pytest.mark.parametrize(
-        ("page_size", "script"), [(1, SCRIPT_PAGE_1), (4, SCRIPT_PAGE_4)], ids=["page1", "page4"]
+        ("page_size", "need_sort", "script"),
+        [
+            (1, False, SCRIPT_PAGE_1),
+            (4, False, SCRIPT_PAGE_4),
+            (1, True, SORTED_SCRIPT_PAGE_1),
+            (4, True, SORTED_SCRIPT_PAGE_4),
+        ],
+        ids=["page1", "page4", "page1-need-sort", "page4-need-sort"],
     )
     def test_script_step_leaves_expected_sizes_and_mapping(
-        self, page_size: int, script: list[Step]
+        self, page_size: int, need_sort: bool, script: list[Step]
     ) -> None:
-        allocator = _make_allocator(page_size)
+        size, size_swa = POOLS[page_size]
+        allocator = SWATokenToKVPoolAllocator(size, size_swa, page_size, need_sort=need_sort)
         mapping = allocator.full_to_swa_index_mapping
         for number, (op, arg, returns, sizes, touched) in enumerate(script):
             where = f"step {number}: {op}({arg})"
@@ -386,12 +434,14 @@ class TestSnapshots:
         state = allocator.backup_state()
         sizes = _sizes(allocator)
         mapping = allocator.full_to_swa_index_mapping.clone()
+        first = _alloc(allocator, 2 * page_size)  # what the snapshot's allocator hands out
         allocator.free(kept)
-        later = _alloc(allocator, 2 * page_size)
+        allocator.free(first)
+        _alloc(allocator, 2 * page_size)
         allocator.restore_state(state)
         assert _sizes(allocator) == sizes
         assert torch.equal(allocator.full_to_swa_index_mapping, mapping)
-        assert torch.equal(_alloc(allocator, 2 * page_size), later)
+        assert torch.equal(_alloc(allocator, 2 * page_size), first)
 
 
 class TestSyncFreedom:
@@ -446,3 +496,77 @@ class TestSyncFreedom:
             check = count_syncs(free_everything)
         assert check.total == 0, check.summary()
         assert _sizes(allocator) == POOLS[1]
+
+
+class TestOneCrashPoint:
+    """At STRICT, free_swa asserts what SGLang's asserts (`swa.peer_mapped`) and nothing more."""
+
+    @pytest.mark.parametrize("bad", [False, True], ids=["good-free", "double-free-of-a-peer"])
+    def test_free_swa_at_strict_makes_one_async_assert(self, bad: bool) -> None:
+        allocator = _make_allocator(1)
+        _alloc(allocator, 4)  # held elsewhere: the pool is not near empty, so no bound breaks
+        live = _alloc(allocator, 2)
+        if bad:
+            # The SWA peer of live[0] is freed behind the allocator's back: the SWA side drops it.
+            allocator.swa_attn_allocator.free(allocator.translate_loc_from_full_to_swa(live[:1]))
+        with override_level(STRICT), mock.patch.object(torch, "_assert_async") as assert_async:
+            allocator.free_swa(live)
+        names = [c.args[1].split("]")[0] for c in assert_async.call_args_list]
+        assert names == ["invariant-check FAILED [swa.peer_mapped"]
+        assert hit_counts()["alloc.double_free"] == int(bad)
+
+    def test_drop_counter_rides_back_and_a_clean_read_marks_the_free_lists_verified(self) -> None:
+        allocator = _make_allocator(1)
+        live = _alloc(allocator, 4)
+        allocator.free(live)
+        assert allocator.drop_counter().tolist() == [0, 0]
+        allocator.note_drop_totals([0, 0])
+        check = count_syncs(_alloc, allocator, 8)
+        assert check.total == 0, check.summary()
+
+
+class TestSGLangArguments:
+    def test_construct_with_kvcache_registers_the_mapping_with_it(self) -> None:
+        pool = HybridKVPool(layer_pattern="SF", full_size=16, swa_size=8, page_size=1, num_heads=1,
+                            head_dim=2)
+        allocator = SWATokenToKVPoolAllocator(16, 8, kvcache=pool, dtype=pool.dtype)
+        assert pool.full_to_swa_index_mapping is allocator.full_to_swa_index_mapping
+        assert allocator.get_kvcache() is pool and allocator.dtype == torch.float64
+
+    @pytest.mark.parametrize("need_sort", [False, True])
+    def test_need_sort_reaches_both_sub_allocators(self, need_sort: bool) -> None:
+        allocator = SWATokenToKVPoolAllocator(16, 8, need_sort=need_sort)
+        assert allocator.full_attn_allocator.need_sort is need_sort
+        assert allocator.swa_attn_allocator.need_sort is need_sort
+
+
+class TestPureSWA:
+    def test_pure_swa_allocator_hands_out_one_pool_through_an_identity_mapping(self) -> None:
+        allocator = PureSWATokenToKVPoolAllocator(8)
+        assert allocator.full_attn_allocator is allocator.swa_attn_allocator
+        slots = _alloc(allocator, 3)
+        assert torch.equal(allocator.translate_loc_from_full_to_swa(slots), slots)
+        assert _sizes(allocator) == (5, 5) and allocator.available_size() == 5
+        allocator.free(slots)
+        assert _sizes(allocator) == (8, 8)
+
+    def test_pure_swa_free_full_releases_nothing_and_free_swa_releases_the_slots(self) -> None:
+        allocator = PureSWATokenToKVPoolAllocator(8)
+        slots = _alloc(allocator, 4)
+        allocator.free_full(slots)
+        assert _sizes(allocator) == (4, 4)
+        allocator.free_group_begin()
+        allocator.free_swa(slots)
+        assert _sizes(allocator) == (4, 4)
+        allocator.free_group_end()
+        assert _sizes(allocator) == (8, 8)
+
+    def test_pure_swa_rejects_mapping_edits_and_pages(self) -> None:
+        allocator = PureSWATokenToKVPoolAllocator(8)
+        slots = _alloc(allocator, 2)
+        with pytest.raises(NotImplementedError):
+            allocator.set_full_to_swa_mapping(slots, slots)
+        with pytest.raises(NotImplementedError):
+            allocator.clear_full_to_swa_mapping(slots)
+        with pytest.raises(ValueError, match="page_size 1"):
+            PureSWATokenToKVPoolAllocator(8, page_size=4)

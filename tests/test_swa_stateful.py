@@ -2,6 +2,11 @@
 
 Each machine runs at WARN so that any contract firing on a legal sequence is seen, and holds
 one rule that double-frees on purpose: the drop must be counted and the slot never recycled.
+
+The model keeps both free lists in order, with SGLang's `need_sort=False` semantics (the
+engine's): a page_size 1 free joins the list's tail, a paged free puts its pages (sorted, once
+each) at the head, and every alloc takes the head. So each alloc's exact ids are predicted, and a
+freed slot comes back exactly when SGLang would hand it out again.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ class SWAPage1Machine(_AllocatorMachine):
         super().__init__()
         self.peers: dict[int, int] = {}  # held full slot -> its SWA peer, 0 once released
         self.freed: set[int] = set()  # full slots handed out before and free now
+        self.full_list = list(range(1, self.SIZE + 1))  # the free lists, next handed out first
+        self.swa_list = list(range(1, self.SIZE_SWA + 1))
 
     def _live(self) -> list[int]:
         return sorted(s for s, peer in self.peers.items() if peer)
@@ -103,14 +110,22 @@ class SWAPage1Machine(_AllocatorMachine):
         peers = self.allocator.translate_loc_from_full_to_swa(out).tolist()
         assert len(set(slots)) == n and not set(slots) & self.peers.keys()
         assert len(set(peers)) == n and min(peers) > 0 and not set(peers) & live_peers
+        assert (slots, peers) == (self.full_list[:n], self.swa_list[:n])
+        del self.full_list[:n], self.swa_list[:n]
         self.peers.update(zip(slots, peers, strict=True))
         self.freed -= set(slots)
+
+    @rule()
+    def read_back(self) -> None:
+        """The step's read-back of the drop counters: a clean one marks the free lists verified."""
+        self.allocator.note_drop_totals(self.allocator.drop_counter().tolist())
 
     @precondition(lambda self: any(self.peers.values()))
     @rule(data=st.data())
     def free_swa(self, data: st.DataObject) -> None:
         slots = self._pick(data, self._live())
         self.allocator.free_swa(_ids(slots))
+        self.swa_list += [self.peers[s] for s in slots]
         self.peers.update(dict.fromkeys(slots, 0))
 
     @precondition(lambda self: not all(self.peers.values()))
@@ -118,6 +133,7 @@ class SWAPage1Machine(_AllocatorMachine):
     def free_full(self, data: st.DataObject) -> None:
         slots = self._pick(data, self._released())
         self.allocator.free_full(_ids(slots))
+        self.full_list += slots
         self._forget(slots)
 
     @precondition(lambda self: any(self.peers.values()))
@@ -125,6 +141,8 @@ class SWAPage1Machine(_AllocatorMachine):
     def free(self, data: st.DataObject) -> None:
         slots = self._pick(data, self._live())
         self.allocator.free(_ids(slots))
+        self.swa_list += [self.peers[s] for s in slots]
+        self.full_list += slots
         self._forget(slots)
 
     @precondition(lambda self: self.peers)
@@ -147,13 +165,21 @@ class SWAPage1Machine(_AllocatorMachine):
         calls.append(("free_full", [s for s, f in fates.items() if f == "free_swa+free_full"]))
         sizes = self.allocator.full_available_size(), self.allocator.swa_available_size()
         self.allocator.free_group_begin()
+        swa_group, full_group = [], []
         for op, slots in calls:
             getattr(self.allocator, op)(_ids(slots))
+            if op in ("free_swa", "free"):
+                swa_group += [self.peers[s] for s in slots]
+            if op in ("free_full", "free"):
+                full_group += slots
         # Both sides defer to the group end; the mapping is cleared at enqueue.
         assert (self.allocator.full_available_size(), self.allocator.swa_available_size()) == sizes
         gone = [s for s, f in fates.items() if f in ("free_swa", "free", "free_swa+free_full")]
         assert self.allocator.translate_loc_from_full_to_swa(_ids(gone)).tolist() == [0] * len(gone)
         self.allocator.free_group_end()
+        # The group end releases the SWA ids, then the full ids, each in enqueue order.
+        self.swa_list += swa_group
+        self.full_list += full_group
         self.peers.update(dict.fromkeys(gone, 0))
         self._forget(
             [s for s, f in fates.items() if f in ("free", "free_full", "free_swa+free_full")]
@@ -206,6 +232,13 @@ class SWAPage4Machine(_AllocatorMachine):
         super().__init__()
         self.requests: list[_Request] = []
         self.freed_pages: set[int] = set()  # full pages handed out before and free now
+        page = self.PAGE_SIZE
+        self.full_list = list(range(1, self.SIZE // page + 1))  # free pages, next handed out first
+        self.swa_list = list(range(1, self.SIZE_SWA // page + 1))
+
+    def _give_back(self, free_list: list[int], pages: set[int]) -> None:
+        """A paged free: its pages, sorted and once each, go to the head of the free list."""
+        free_list[:0] = sorted(pages)
 
     def _pages(self, slots: list[int]) -> set[int]:
         return {s // self.PAGE_SIZE for s in slots}
@@ -244,6 +277,12 @@ class SWAPage4Machine(_AllocatorMachine):
             assert self._pages(peers[:cut]) <= {request.peers[-1] // page}
         assert not self._pages(slots[cut:]) & held
         assert not self._pages(peers[cut:]) & live
+        # New pages come off the heads of the free lists, in order.
+        page = self.PAGE_SIZE
+        drawn = list(dict.fromkeys(s // page for s in slots[cut:]))
+        drawn_swa = list(dict.fromkeys(s // page for s in peers[cut:]))
+        assert (drawn, drawn_swa) == (self.full_list[:need], self.swa_list[:need])
+        del self.full_list[:need], self.swa_list[:need]
         if request is None:
             self.requests.append(_Request(slots, peers))
         else:
@@ -278,6 +317,7 @@ class SWAPage4Machine(_AllocatorMachine):
             for p in range(request.evicted_pages, upto)
         ]
         self.allocator.free_swa(_ids(slots))
+        self._give_back(self.swa_list, self._pages(request.peers[request.evicted_pages * page : upto * page]))
         request.evicted_pages = upto
 
     def _last_page(self, request: _Request) -> int:
@@ -291,7 +331,12 @@ class SWAPage4Machine(_AllocatorMachine):
     def finish(self, data: st.DataObject) -> None:
         request = data.draw(st.sampled_from(self.requests))
         self.allocator.free(_ids(request.slots))
+        self._give_back(self.swa_list, self._live_pages_of(request))
+        self._give_back(self.full_list, self._pages(request.slots))
         self._forget([request])
+
+    def _live_pages_of(self, request: _Request) -> set[int]:
+        return self._pages(request.peers[request.evicted_pages * self.PAGE_SIZE :])
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -305,6 +350,9 @@ class SWAPage4Machine(_AllocatorMachine):
                 self.allocator.free_swa(_ids(request.slots))
                 self.allocator.free_full(_ids(request.slots))
         self.allocator.free_group_end()
+        # One release per side at the group end: all the group's pages, sorted, at the head.
+        self._give_back(self.swa_list, set().union(*(self._live_pages_of(r) for r in done)))
+        self._give_back(self.full_list, set().union(*(self._pages(r.slots) for r in done)))
         self._forget(done)
 
     @precondition(lambda self: self.freed_pages)

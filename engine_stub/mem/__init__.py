@@ -7,11 +7,12 @@ from engine_stub.mem.allocator import (
     create_sub_allocator,
 )
 from engine_stub.mem.req_to_token import ReqToTokenPool
-from engine_stub.mem.swa import SWATokenToKVPoolAllocator
+from engine_stub.mem.swa import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 
 __all__ = [
     "BaseTokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
+    "PureSWATokenToKVPoolAllocator",
     "ReqToTokenPool",
     "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",

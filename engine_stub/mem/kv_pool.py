@@ -12,7 +12,9 @@ class HybridKVPool:
     `swa_size + page_size`; row (page) 0 is the padding sink.
 
     Callers pass FULL slot indices everywhere; SWA layers translate them through the allocator's
-    `full_to_swa_index_mapping`, which this pool holds by identity (it is mutated in place).
+    `full_to_swa_index_mapping`, which this pool holds by identity (it is mutated in place). The
+    allocator hands it over with `register_mapping` (SGLang's `BaseSWAKVPool.register_mapping`)
+    when built with `kvcache=` this pool; a caller may also pass it at construction.
     """
 
     def __init__(
@@ -24,7 +26,7 @@ class HybridKVPool:
         page_size: int,
         num_heads: int,
         head_dim: int,
-        full_to_swa_index_mapping: torch.Tensor,
+        full_to_swa_index_mapping: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -32,6 +34,7 @@ class HybridKVPool:
         self.is_swa_layer = [kind == "S" for kind in layer_pattern]
         self.full_rows = full_size + page_size
         self.swa_rows = swa_size + page_size
+        self.dtype = dtype
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
         shape_full = (self.full_rows, num_heads, head_dim)
         shape_swa = (self.swa_rows, num_heads, head_dim)
@@ -41,6 +44,10 @@ class HybridKVPool:
             shape = shape_swa if is_swa else shape_full
             self.k_buffer.append(torch.zeros(shape, dtype=dtype, device=device))
             self.v_buffer.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    def register_mapping(self, full_to_swa_index_mapping: torch.Tensor) -> None:
+        """Hold the allocator's mapping (by identity) for the SWA layers' translation."""
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
 
     def rows_of(self, layer: int, full_slots: torch.Tensor) -> torch.Tensor:
         """Buffer rows of `full_slots` in `layer` (SWA layers go through the mapping)."""

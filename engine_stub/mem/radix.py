@@ -6,22 +6,28 @@ Invariants kept here and checked by `sanity_check`:
 
 - keys and values are page-aligned and of equal length; a leaf is never a tombstone;
 - `full_lock_ref >= swa_lock_ref`; the root is never locked, freed or evicted;
-- a live node's slots are mapped, a tombstone's are not; no slot is held twice.
+- a live node's slots are mapped, a tombstone's are not; no slot is held twice;
+- every node is on the full LRU list, every live node on the SWA LRU list, in recency order.
 
-`last_access` is a logical clock, so eviction order is deterministic across runs.
+Eviction order is SGLang's: two LRU lists (full, SWA), and a touched path is ordered so that a
+child is more recent than its parent. Under SWA pressure the oldest prefixes are tombstoned
+first and the leaves (the last window of a cached sequence, the part a future match needs live)
+are kept; the full phase deletes the least recently used unlocked leaves. `last_access` is a
+logical clock stamped in full-list order, so eviction is deterministic across runs.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from engine_stub.mem.swa import SWATokenToKVPoolAllocator
 
-__all__ = ["CachedPath", "LockHandle", "MatchResult", "SWARadixCache", "TreeNode"]
+__all__ = ["CachedPath", "LRUList", "LockHandle", "MatchResult", "SWARadixCache", "TreeNode"]
 
 _node_ids = itertools.count()
 
@@ -75,6 +81,72 @@ class CachedPath:
     swa_live: torch.Tensor  # bool per position: False inside a tombstone
 
 
+class LRUList:
+    """One of a tree's two recency lists (SGLang's `LRUList`), least recently used first.
+
+    The full list holds every node and stamps `last_access` as it moves a node to the most
+    recent end; the SWA list holds the live (non-tombstone) nodes only and leaves stamps alone,
+    so both lists always agree with the stamp order.
+    """
+
+    def __init__(self, *, swa: bool, clock: Iterator[int]) -> None:
+        self.swa = swa
+        self._clock = clock
+        self._order: OrderedDict[int, TreeNode] = OrderedDict()
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node.id in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def nodes(self) -> list[TreeNode]:
+        """The listed nodes, least recently used first."""
+        return list(self._order.values())
+
+    def _lock(self, node: TreeNode) -> int:
+        return node.swa_lock_ref if self.swa else node.full_lock_ref
+
+    def _stamp(self, node: TreeNode) -> None:
+        if not self.swa:
+            node.last_access = next(self._clock)
+
+    def insert_mru(self, node: TreeNode) -> None:
+        """Add a node that is not listed yet as the most recently used."""
+        assert node.id not in self._order, f"node {node.id} is already listed"
+        assert not (self.swa and node.swa_tombstone), f"tombstone {node.id} on the SWA list"
+        self._order[node.id] = node
+        self._stamp(node)
+
+    def reset_node_mru(self, node: TreeNode) -> None:
+        """Move a listed node to the most recently used end."""
+        self._order.move_to_end(node.id)
+        self._stamp(node)
+
+    def reset_node_and_parents_mru(self, node: TreeNode, root: TreeNode) -> None:
+        """Move `node` and its ancestors to the most recent end, the child more recent than its
+        parent (the SWA list skips tombstones): so the prefixes nearer the root go first."""
+        path = []
+        while node is not root:
+            path.append(node)
+            assert node.parent is not None, f"node {node.id} is detached from the tree"
+            node = node.parent
+        for n in reversed(path):
+            if not (self.swa and n.swa_tombstone):
+                self.reset_node_mru(n)
+
+    def remove_node(self, node: TreeNode) -> None:
+        del self._order[node.id]
+
+    def lru_no_lock(self) -> TreeNode | None:
+        """The least recently used node this list's lock does not hold."""
+        return next((n for n in self._order.values() if self._lock(n) == 0), None)
+
+    def lru_leaf_no_lock(self) -> TreeNode | None:
+        """The least recently used unlocked leaf."""
+        return next((n for n in self._order.values() if self._lock(n) == 0 and n.is_leaf), None)
+
+
 class SWARadixCache:
     """Prefix cache whose values are FULL slots of `allocator`; see the module docstring."""
 
@@ -86,6 +158,8 @@ class SWARadixCache:
         self.window = window
         self._clock = itertools.count(1)
         self.root = TreeNode()
+        self.full_lru_list = LRUList(swa=False, clock=self._clock)
+        self.swa_lru_list = LRUList(swa=True, clock=self._clock)
 
     # ---- match ---------------------------------------------------------------------------------
 
@@ -93,28 +167,32 @@ class SWARadixCache:
         """Longest cached, page-aligned prefix of `token_ids` that a request may reuse.
 
         A prefix is acceptable when no tombstone lies on its path, or at least `window` live
-        tokens follow the last one: otherwise the prefix's last window of SWA KV is gone. Splits
-        the last node when the accepted prefix ends inside it, and touches the accepted path.
+        tokens follow the last one: otherwise the prefix's last window of SWA KV is gone. As in
+        SGLang, the last node the walk reaches is split where the match ends (accepted or not),
+        and the accepted path is touched, its deepest node the most recent.
         """
         node, pos = self.root, 0
-        since_tombstone: int | None = None  # live tokens after the last tombstone; None: none seen
+        since_tombstone = float("inf")  # live tokens after the last tombstone on the path
         best_node, best_len = self.root, 0
         while pos < len(token_ids) and (child := node.children.get(self._page_key(token_ids, pos))):
-            common = self._common_len(child.key, token_ids, pos)
             if child.swa_tombstone:
+                if since_tombstone >= self.window:
+                    best_node, best_len = node, pos
                 since_tombstone = 0
-            else:
-                if since_tombstone is not None:
-                    since_tombstone += common
-                if since_tombstone is None or since_tombstone >= self.window:
-                    if common < len(child.key):
-                        child = self._split(child, common)
-                    best_node, best_len = child, pos + common
-            if common < len(child.key):
-                break
+            common = self._common_len(child.key, token_ids, pos)
+            partial = common < len(child.key)
+            if partial:
+                child = self._split(child, common)
+            if not child.swa_tombstone:
+                since_tombstone += common
             node, pos = child, pos + common
+            if partial:
+                break
+        if since_tombstone >= self.window:
+            best_node, best_len = node, pos
+        self.full_lru_list.reset_node_and_parents_mru(best_node, self.root)
+        self.swa_lru_list.reset_node_and_parents_mru(best_node, self.root)
         accepted = self._path_to(best_node)
-        self._touch(best_node)
         slots = torch.cat([n.value for n in accepted]) if accepted else self._empty()
         return MatchResult(slots, best_node, best_len)
 
@@ -161,13 +239,20 @@ class SWARadixCache:
     ) -> int:
         """Cache a request's tokens; the tree takes ownership of `slots`.
 
+        Walking the cached part, each node is touched (root side first, so a child ends up more
+        recent than its parent). Where the incoming tokens are already cached, past
+        `prev_prefix_len` (below it the slots are the tree's own), the incoming copy is freed,
+        except over a tombstone, whose SWA KV the incoming copy can bring back (see
+        `_recover_tombstone`). The rest becomes new nodes: a tombstone for the window-evicted
+        part, then a live leaf.
+
         Args:
             token_ids: page-aligned token ids.
             slots: int64 FULL slots, one per token.
             prev_prefix_len: positions below it are the tree's own slots (matched earlier).
             swa_evicted_seqlen: positions below it had their SWA peers released already.
         Returns:
-            The length that was already cached. Incoming slots there are freed (duplicates).
+            The length that was already cached.
         """
         n, page = len(token_ids), self.page_size
         if len(slots) != n or n % page or prev_prefix_len % page or swa_evicted_seqlen % page:
@@ -178,82 +263,141 @@ class SWARadixCache:
         slots = slots.to(torch.int64)
         node, pos = self.root, 0
         while pos < n and (child := node.children.get(self._page_key(token_ids, pos))):
+            self._touch_one(child)
             common = self._common_len(child.key, token_ids, pos)
             if common < len(child.key):
                 child = self._split(child, common)
-            node, pos = child, pos + common
+            end = pos + common
+            if prev_prefix_len < end:
+                if pos < prev_prefix_len:
+                    # Keep the tree's own part (below prev_prefix_len) out of reach.
+                    self._split(child, prev_prefix_len - pos)
+                    pos = prev_prefix_len
+                self._take_duplicate(child, slots, pos, end, swa_evicted_seqlen)
+            node, pos = child, end
         matched = pos
         if matched < prev_prefix_len:
             raise RuntimeError(f"the locked prefix [0,{prev_prefix_len}) left the tree ({matched})")
-        # Duplicates [prev_prefix_len, matched): below the frontier only the full side is ours.
-        frontier = min(max(prev_prefix_len, swa_evicted_seqlen), matched)
-        self.allocator.free_full(slots[prev_prefix_len:frontier])
-        self.allocator.free(slots[frontier:matched])
         if swa_evicted_seqlen >= n:
             # No node: it would be an all-tombstone leaf.
             self.allocator.free_full(slots[matched:])
         elif matched < n:
             split = max(matched, swa_evicted_seqlen)
             if split > matched:
-                node = self._add_child(node, token_ids[matched:split], slots[matched:split])
-                node.swa_tombstone = True
-            node = self._add_child(node, token_ids[split:], slots[split:])
-        self._touch(node)
+                node = self._add_child(node, token_ids[matched:split], slots[matched:split], tombstone=True)
+            self._add_child(node, token_ids[split:], slots[split:], tombstone=False)
         return matched
+
+    def _take_duplicate(self, node: TreeNode, slots: torch.Tensor, lo: int, hi: int, evicted: int) -> None:
+        """The incoming copy `slots[lo:hi]` of the tokens `node` already holds (`node` is exactly
+        `[lo, hi)`). Below `evicted` the incoming SWA peers are gone already."""
+        if not node.swa_tombstone:
+            cut = min(max(evicted, lo), hi)
+            self.allocator.free_full(slots[lo:cut])
+            self.allocator.free(slots[cut:hi])
+        elif evicted <= lo:
+            self._recover_tombstone(node, slots[lo:hi])
+        elif evicted < hi:
+            # Partly live: the tombstone keeps the evicted head; the live tail is brought back.
+            self._split(node, evicted - lo)
+            self.allocator.free_full(slots[lo:evicted])
+            self._recover_tombstone(node, slots[evicted:hi])
+        else:
+            self.allocator.free_full(slots[lo:hi])
+
+    def _recover_tombstone(self, node: TreeNode, incoming: torch.Tensor) -> None:
+        """Bring a tombstone's SWA KV back from an incoming copy whose SWA peers are all live.
+
+        Unlocked, the tree adopts the incoming slots and frees its own full slots (their SWA
+        side is long gone). If a running request holds the node's full KV, those slots stay:
+        they are re-paired with the incoming SWA peers, and only the incoming full slots go.
+        Either way the frees join an open free group, whose full-side guard (`swa.peer_released`)
+        is evaluated here, at enqueue, after the mapping was cleared: the re-paired slots are
+        not this call's to judge.
+        """
+        if node.full_lock_ref > 0:
+            peers = self.allocator.translate_loc_from_full_to_swa(incoming)
+            self.allocator.set_full_to_swa_mapping(node.value, peers)
+            self.allocator.clear_full_to_swa_mapping(incoming)
+            self.allocator.free_full(incoming)
+        else:
+            self.allocator.free_full(node.value)
+            node.value = incoming.clone()
+        node.swa_tombstone = False
+        self.swa_lru_list.insert_mru(node)
 
     # ---- evict ---------------------------------------------------------------------------------
 
     def evict(self, full_tokens: int, swa_tokens: int) -> tuple[int, int]:
         """Free cached KV until `full_tokens` full and `swa_tokens` SWA tokens are freed.
 
-        Full phase: delete unlocked LRU leaves, then their parents that became childless
-        tombstones. SWA phase: the LRU live node without an SWA lock is deleted if it is an
-        unlocked leaf, else tombstoned. Stops early when nothing is evictable. The caller wraps
-        this in a free group if it wants one.
+        Full phase: delete the least recently used unlocked leaves, then their parents that
+        became childless tombstones. SWA phase (if the full phase freed too little SWA): the least
+        recently used live node without an SWA lock is tombstoned if it has children or a full
+        lock, else deleted with its full KV. Since a child is more recent than its parent, the
+        SWA phase tombstones old prefixes before it reaches a leaf. Stops early when nothing is
+        evictable. The caller wraps this in a free group if it wants one.
 
         Returns:
-            (full tokens freed, SWA tokens freed).
+            (full tokens freed, SWA tokens freed), counted as SGLang counts them.
         """
         freed = [0, 0]
         while freed[0] < full_tokens:
-            leaf = self._lru(lambda x: x.is_leaf and x.full_lock_ref == 0)
+            leaf = self.full_lru_list.lru_leaf_no_lock()
             if leaf is None:
                 break
-            self._delete_cascading(leaf, freed)
+            cascaded = self._delete_cascading(leaf, freed)  # counts the leaf itself in `freed`
+            freed[0] += cascaded
         while freed[1] < swa_tokens:
-            victim = self._lru(lambda x: not x.swa_tombstone and x.swa_lock_ref == 0)
+            victim = self.swa_lru_list.lru_no_lock()
             if victim is None:
                 break
             if victim.is_leaf and victim.full_lock_ref == 0:
                 self._delete_cascading(victim, freed)
             else:
-                # A full-locked leaf with no SWA lock (an early SWA release, which nothing here
-                # does yet) becomes a tombstone leaf; the full phase frees it once unlocked.
+                # An internal node, or a leaf a running request still holds in full (which
+                # nothing here makes yet): only its SWA side goes.
                 self.allocator.free_swa(victim.value)
+                self.swa_lru_list.remove_node(victim)
                 victim.swa_tombstone = True
                 freed[1] += len(victim.key)
         return freed[0], freed[1]
 
-    def _delete_cascading(self, leaf: TreeNode, freed: list[int]) -> None:
-        node: TreeNode | None = leaf
+    def _delete_cascading(self, leaf: TreeNode, freed: list[int]) -> int:
+        """Delete `leaf`, then each parent left a childless, unlocked tombstone.
+
+        Counts the leaf in `freed`; returns the full tokens the cascade freed beyond it.
+        """
+        node = self._delete_leaf(leaf, freed)
+        cascaded = 0
         while (
             node is not None
             and node is not self.root
             and node.is_leaf
+            and node.swa_tombstone
             and node.full_lock_ref == 0
-            and (node is leaf or node.swa_tombstone)
         ):
-            if node.swa_tombstone:  # its SWA side is gone already
-                self.allocator.free_full(node.value)
-            else:
-                self.allocator.free(node.value)
+            cascaded += len(node.key)
+            node = self._delete_leaf(node, None)
+        return cascaded
+
+    def _delete_leaf(self, node: TreeNode, freed: list[int] | None) -> TreeNode:
+        """Free a leaf's KV, unlist and unlink it; returns its former parent."""
+        if node.swa_tombstone:  # its SWA side is gone already
+            self.allocator.free_full(node.value)
+        else:
+            self.allocator.free(node.value)
+            self.swa_lru_list.remove_node(node)
+            if freed is not None:
                 freed[1] += len(node.key)
+        if freed is not None:
             freed[0] += len(node.key)
-            parent = node.parent
-            assert parent is not None
-            del parent.children[tuple(node.key[: self.page_size])]
-            node.parent = None
-            node = parent
+        self.full_lru_list.remove_node(node)
+        parent = node.parent
+        assert parent is not None
+        del parent.children[tuple(node.key[: self.page_size])]
+        node.parent = None
+        return parent
 
     def reset(self) -> None:
         """Free every cached slot and empty the tree. Refuses while any node is locked."""
@@ -328,10 +472,29 @@ class SWARadixCache:
             for first_page, child in parent.children.items():
                 if child.parent is not parent or first_page != tuple(child.key[: self.page_size]):
                     problems.append(f"node {child.id} is linked under the wrong parent or key")
+        problems += self._lru_problems()
         held = self.held_slots()
         unique, counts = torch.unique(held, return_counts=True)
         if bool((counts > 1).any()):
             problems.append(f"slots held twice: {unique[counts > 1].tolist()}")
+        return problems
+
+    def _lru_problems(self) -> list[str]:
+        """The LRU lists hold exactly the right nodes (all; the live ones), in stamp order."""
+        problems = []
+        nodes = list(self._nodes())
+        for lru, expected, name in (
+            (self.full_lru_list, {n.id for n in nodes}, "full"),
+            (self.swa_lru_list, {n.id for n in nodes if not n.swa_tombstone}, "SWA"),
+        ):
+            listed = lru.nodes()
+            ids = {n.id for n in listed}
+            if ids != expected:
+                problems.append(f"{name} LRU list holds nodes {sorted(ids - expected)} it should not "
+                                f"and misses {sorted(expected - ids)}")
+            stamps = [n.last_access for n in listed]
+            if stamps != sorted(stamps):
+                problems.append(f"{name} LRU list is out of recency order")
         return problems
 
     # ---- internals ---------------------------------------------------------------------------
@@ -358,19 +521,17 @@ class SWARadixCache:
     def _path_to(self, node: TreeNode) -> list[TreeNode]:
         return list(self._up(node))[::-1]
 
-    def _lru(self, pick: Callable[[TreeNode], bool]) -> TreeNode | None:
-        return min((n for n in self._nodes() if pick(n)), key=lambda n: n.last_access, default=None)
-
-    def _touch(self, node: TreeNode) -> None:
-        # Leaf-first ticks: a parent is always more recent than its children, so LRU order
-        # reaches leaves before the prefixes they hang from.
-        for n in self._up(node):
-            n.last_access = next(self._clock)
+    def _touch_one(self, node: TreeNode) -> None:
+        """Make `node` (alone) the most recently used, on the SWA list too if it is live."""
+        self.full_lru_list.reset_node_mru(node)
+        if not node.swa_tombstone:
+            self.swa_lru_list.reset_node_mru(node)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut `child` at `at` (page-aligned); the new parent takes the head and copies the flags.
 
-        `child` keeps its identity (and the tail), so lock handles naming it stay valid.
+        `child` keeps its identity (and the tail), so lock handles naming it stay valid. As in
+        SGLang both re-enter the LRU lists as the most recent, the tail after the head.
         """
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key) and at % self.page_size == 0
@@ -381,18 +542,27 @@ class SWARadixCache:
             full_lock_ref=child.full_lock_ref,
             swa_lock_ref=child.swa_lock_ref,
             swa_tombstone=child.swa_tombstone,
-            last_access=child.last_access,
         )
         child.key, child.value = child.key[at:], child.value[at:].clone()
         head.children[tuple(child.key[: self.page_size])] = child
         parent.children[tuple(head.key[: self.page_size])] = head
         child.parent = head
+        self.full_lru_list.remove_node(child)
+        self.full_lru_list.insert_mru(head)
+        self.full_lru_list.insert_mru(child)
+        if not child.swa_tombstone:
+            self.swa_lru_list.remove_node(child)
+            self.swa_lru_list.insert_mru(head)
+            self.swa_lru_list.insert_mru(child)
         return head
 
-    def _add_child(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> TreeNode:
+    def _add_child(self, parent: TreeNode, key: list[int], value: torch.Tensor, *, tombstone: bool) -> TreeNode:
         # A clone: `value` is often a view of a req_to_token row that will be reused.
-        node = TreeNode(key=list(key), value=value.clone(), parent=parent)
+        node = TreeNode(key=list(key), value=value.clone(), parent=parent, swa_tombstone=tombstone)
         parent.children[tuple(key[: self.page_size])] = node
+        self.full_lru_list.insert_mru(node)
+        if not tombstone:
+            self.swa_lru_list.insert_mru(node)
         return node
 
     def _page_key(self, token_ids: list[int], pos: int) -> tuple[int, ...]:

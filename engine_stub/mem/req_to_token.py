@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["ReqToTokenPool"]
@@ -28,18 +31,35 @@ class ReqToTokenPool:
     def available_size(self) -> int:
         return len(self.free_slots)
 
-    def alloc(self, need_size: int = 1) -> list[int] | None:
-        """`need_size` rows from the head of the free list, or None and nothing taken."""
-        if need_size > len(self.free_slots):
-            return None
-        rows, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
-        return rows
+    def alloc(self, reqs: Sequence[Any]) -> list[int] | None:
+        """A row for each request (SGLang's `alloc(reqs)`), or None and nothing taken.
 
-    def free(self, row: int) -> None:
-        """Give a row back. Like SGLang there is no double-free guard beyond the idle ledger."""
+        A request whose `row` is already set keeps it: that is only legal for one whose KV is
+        committed (`kv_len > 0`, a continuation). The others take rows from the head of the free
+        list, in order. Sets `req.row`; returns the rows in request order.
+        """
+        new = [req for req in reqs if not req.row]
+        for req in reqs:
+            if req.row:
+                assert req.kv_len > 0, f"request {getattr(req, 'rid', '?')} holds row {req.row} with no KV"
+        if len(new) > len(self.free_slots):
+            return None
+        rows, self.free_slots = self.free_slots[: len(new)], self.free_slots[len(new) :]
+        for req, row in zip(new, rows, strict=True):
+            req.row = row
+        return [req.row for req in reqs]
+
+    def free(self, req: Any) -> None:
+        """Give a request's row back and clear `req.row` (SGLang's `free(req)`).
+
+        Like SGLang there is no double-free guard beyond the idle ledger and this check that the
+        request holds a row.
+        """
+        row = req.row
         if not 1 <= row <= self.size:
             raise ValueError(f"row {row} is not a request row (1..{self.size})")
         self.free_slots.append(row)
+        req.row = 0
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """`req_to_token[row, start:start+len(slots)] = slots` (a tensor copy, no host scalar)."""

@@ -11,12 +11,18 @@ Semantics follow SGLang after PR #36723:
   larger pages it expands to whole pages and filters unmapped slots once per free group;
 - `free_full` expects the peer already released (`swa.peer_released`, GUARD), at enqueue time;
 - inside a free group the SWA side resolves ownership at enqueue, the full side queues a copy,
-  and `free_group_end` frees the full indices on the full sub-allocator directly.
+  and `free_group_end` frees the full indices on the full sub-allocator directly;
+- `need_sort` is passed to both sub-allocators (False outside PD disaggregation, as in SGLang);
+  the mapping is registered with the KV pool (`kvcache`) that translates through it.
+
+At STRICT, `free_swa` has one crash point (`swa.peer_mapped`), as in SGLang: the sub-allocators'
+bad-free drops are counted, and read back with the step (`drop_counter`/`note_drop_totals`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +33,7 @@ from engine_stub.invariants import (
     IsZero,
     Positive,
     checks_enabled,
+    drain_firings,
     expect,
 )
 from engine_stub.mem.allocator import (
@@ -37,7 +44,7 @@ from engine_stub.mem.allocator import (
     num_new_pages,
 )
 
-__all__ = ["SWATokenToKVPoolAllocator", "SWAAllocatorState"]
+__all__ = ["PureSWATokenToKVPoolAllocator", "SWAAllocatorState", "SWATokenToKVPoolAllocator"]
 
 # free_swa releases whatever the mapping names, so a peer that reads as the padding slot would
 # push slot 0 into the SWA free list and hand it out twice.
@@ -80,6 +87,9 @@ class SWATokenToKVPoolAllocator:
         size_swa: SWA-pool slots (the sliding-window layers' capacity).
         page_size: slots per page, shared by both pools.
         device: where the free lists, bitmaps and mapping live.
+        dtype: the KV dtype of the pools (SGLang's argument; kept, not used to allocate).
+        kvcache: the KV pool; the mapping is registered with it (`register_mapping`).
+        need_sort: the sub-allocators' free-list policy (see `engine_stub.mem.allocator`).
     """
 
     def __init__(
@@ -88,16 +98,26 @@ class SWATokenToKVPoolAllocator:
         size_swa: int,
         page_size: int = 1,
         device: torch.device | str = "cpu",
+        *,
+        dtype: torch.dtype = torch.float64,
+        kvcache: Any = None,
+        need_sort: bool = False,
     ) -> None:
         if size_swa > size:
             raise ValueError(f"size_swa={size_swa} must not exceed the full size={size}")
         self.page_size = page_size
         self.device = torch.device(device)
+        self.dtype = dtype
+        self.need_sort = need_sort
         self.size_full = size
         self.size_swa = size_swa
-        self.full_attn_allocator: BaseTokenToKVPoolAllocator = create_sub_allocator(size, page_size, device)
+        self.full_attn_allocator: BaseTokenToKVPoolAllocator = create_sub_allocator(
+            size, page_size, device, dtype=dtype, kvcache=getattr(kvcache, "full_kv_pool", None),
+            need_sort=need_sort,
+        )
         self.swa_attn_allocator: BaseTokenToKVPoolAllocator = create_sub_allocator(
-            size_swa, page_size, device
+            size_swa, page_size, device, dtype=dtype, kvcache=getattr(kvcache, "swa_kv_pool", None),
+            need_sort=need_sort,
         )
         # Held by identity by whoever translates slots (the KV pool, the canary): mutate in place.
         self.full_to_swa_index_mapping = torch.zeros(
@@ -108,6 +128,20 @@ class SWATokenToKVPoolAllocator:
         self.full_free_group: list[torch.Tensor] = []
         # Debug switch (like SGLANG_DEBUG_REVERT_PR): the pre-PR-36723 silent filter, no checks.
         self.revert_pr_36723 = False
+        self._kvcache = kvcache
+        if kvcache is not None:
+            kvcache.register_mapping(self.full_to_swa_index_mapping)
+
+    def get_kvcache(self) -> Any:
+        return self._kvcache
+
+    def clear(self) -> None:
+        """Both pools free, the mapping back to all-unmapped (the -1 tail kept), no open group."""
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.full_to_swa_index_mapping[:-1].zero_()
+        self.free_group = None
+        self.full_free_group = []
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -143,7 +177,8 @@ class SWATokenToKVPoolAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` slots on both sides, or None with nothing taken. Returns FULL indices."""
-        if not self._both_sides_have(-(-need_size // self.page_size)):
+        pages = -(-need_size // self.page_size)
+        if not self.new_pages_available(pages, pages):
             return None
         full = self.full_attn_allocator.alloc(need_size)
         swa = self.swa_attn_allocator.alloc(need_size)
@@ -158,7 +193,8 @@ class SWATokenToKVPoolAllocator:
     ) -> torch.Tensor | None:
         """Paged extend on both sides (page_size > 1); see PagedTokenToKVPoolAllocator."""
         full_side, swa_side = self._paged_sides()
-        if not self._both_sides_have(num_new_pages(prefix_lens, seq_lens, self.page_size)):
+        pages = num_new_pages(prefix_lens, seq_lens, self.page_size)
+        if not self.new_pages_available(pages, pages):
             return None
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
         full = full_side.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
@@ -172,7 +208,8 @@ class SWATokenToKVPoolAllocator:
         cannot strand the full side's new pages.
         """
         full_side, swa_side = self._paged_sides()
-        if not self._both_sides_have(sum((seq - 1) % self.page_size == 0 for seq in seq_lens)):
+        pages = sum((seq - 1) % self.page_size == 0 for seq in seq_lens)
+        if not self.new_pages_available(pages, pages):
             return None
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
         full = full_side.alloc_decode(seq_lens, last_loc)
@@ -186,26 +223,22 @@ class SWATokenToKVPoolAllocator:
         assert isinstance(swa_side, PagedTokenToKVPoolAllocator)
         return full_side, swa_side
 
-    def _both_sides_have(self, need_pages: int) -> bool:
-        """Whether both sub-allocators can hand out `need_pages` pages, decided before either does.
+    def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
+        """Whether the full side can hand out `num_full_pages` and the SWA side `num_swa_pages`,
+        decided before either does.
 
-        `available_size` also counts staged frees, and a bad free staged there is dropped at the
-        merge, so it can promise more than a side holds. When a side's merged free list alone
-        falls short, fold its staged frees first (the merge its own alloc would run anyway):
-        then the answer is exact, and no side can fail after the other took its pages. Undoing
-        a half-done extend would be wrong: its slots include the prefix's partial page.
+        `available_size` also counts staged frees and the holes of bad frees not yet dropped, so
+        it can promise more than a side holds; each side's own readiness check folds or drops
+        those first (what its alloc would do anyway), so the answer is exact and no side can fail
+        after the other took its pages. Undoing a half-done extend would be wrong: its slots
+        include the prefix's partial page.
         """
-        for side in (self.full_attn_allocator, self.swa_attn_allocator):
-            if need_pages * self.page_size > side.available_size():  # an upper bound: no merge helps
-                return False
-            if need_pages > side.free_pages.numel():
-                side.merge_and_sort_free()
-                if need_pages > side.free_pages.numel():
-                    return False
-        return True
+        return self.full_attn_allocator._ready(num_full_pages) and self.swa_attn_allocator._ready(
+            num_swa_pages
+        )
 
     def _pair(self, full: torch.Tensor | None, swa: torch.Tensor | None) -> torch.Tensor:
-        assert full is not None and swa is not None, "a side failed after _both_sides_have"
+        assert full is not None and swa is not None, "a side failed after new_pages_available"
         self.set_full_to_swa_mapping(full, swa)
         return full
 
@@ -292,6 +325,11 @@ class SWATokenToKVPoolAllocator:
         # never fires: only a breach pays for the (CPU scalar, sync-free) check.
         fraction = side.available_size() / side.size
         if not 0 <= fraction <= 1:
+            # The count still includes the holes of bad frees the step's read-back has not
+            # reported yet (as SGLang's page_size 1 free list would hold the duplicates): put the
+            # drops that caused the breach on record first, since at STRICT this check crashes.
+            # A host read, on the breach path only.
+            drain_firings()
             expect(POOL_BOUND, torch.tensor(fraction), "available > size")
 
     # ---- snapshots -----------------------------------------------------------------------------
@@ -310,9 +348,138 @@ class SWATokenToKVPoolAllocator:
         self.full_to_swa_index_mapping.copy_(state.mapping)
 
     def merge_and_sort_free(self) -> None:
-        """Fold staged frees on both sides (the idle tick calls this before its ledgers)."""
+        """Fold staged frees and drop holes on both sides (the idle tick, before its ledgers)."""
         self.full_attn_allocator.merge_and_sort_free()
         self.swa_attn_allocator.merge_and_sort_free()
 
     def drop_counts(self) -> dict[str, dict[str, int]]:
         return {"full": self.full_attn_allocator.drop_counts(), "swa": self.swa_attn_allocator.drop_counts()}
+
+    def drop_counter(self) -> torch.Tensor:
+        """Both sides' drop totals, `[full, swa]`, on the device: for the step's one read-back."""
+        return torch.stack([self.full_attn_allocator.drop_counter(), self.swa_attn_allocator.drop_counter()])
+
+    def note_drop_totals(self, totals: list[int]) -> None:
+        """The host values of `drop_counter()`, read back with the step's sampled tokens."""
+        full, swa = totals
+        self.full_attn_allocator.note_drop_totals(full)
+        self.swa_attn_allocator.note_drop_totals(swa)
+
+
+class PureSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
+    """Allocator for a model whose every layer is sliding-window attention: one pool.
+
+    The full side is the SWA side (one sub-allocator under both names) and the mapping is the
+    identity, so it cannot be edited. `free_full` has nothing to release; `free` and `free_swa`
+    release the slots themselves, dropping 0 entries. page_size 1 only, as in SGLang.
+    """
+
+    def __init__(
+        self,
+        size_swa: int,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+        *,
+        dtype: torch.dtype = torch.float64,
+        kvcache: Any = None,
+        need_sort: bool = False,
+    ) -> None:
+        if page_size != 1:
+            raise ValueError(f"PureSWATokenToKVPoolAllocator needs page_size 1, got {page_size}")
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.need_sort = need_sort
+        self.size_full = self.size_swa = size_swa
+        self.swa_attn_allocator = create_sub_allocator(
+            size_swa, page_size, device, dtype=dtype, kvcache=getattr(kvcache, "swa_kv_pool", None),
+            need_sort=need_sort,
+        )
+        self.full_attn_allocator = self.swa_attn_allocator
+        mapping = torch.arange(size_swa + page_size + 1, dtype=torch.int64, device=self.device)
+        mapping[-1] = -1
+        self.full_to_swa_index_mapping = mapping
+        self.free_group = None
+        self.full_free_group = []
+        self.revert_pr_36723 = False
+        self._kvcache = kvcache
+        if kvcache is not None:
+            kvcache.register_mapping(self.full_to_swa_index_mapping)
+
+    def clear(self) -> None:
+        self.swa_attn_allocator.clear()
+        self.free_group = None
+
+    def available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    def full_available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    def new_pages_available(self, num_full_pages: int, num_swa_pages: int) -> bool:
+        return self.swa_attn_allocator._ready(max(num_full_pages, num_swa_pages))
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        return kv_indices
+
+    def set_full_to_swa_mapping(self, full_indices: torch.Tensor, swa_indices: torch.Tensor) -> None:
+        raise NotImplementedError("PureSWATokenToKVPoolAllocator has no full-to-SWA mapping to rewrite")
+
+    def clear_full_to_swa_mapping(self, full_indices: torch.Tensor) -> None:
+        raise NotImplementedError("PureSWATokenToKVPoolAllocator has no full-to-SWA mapping to clear")
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.swa_attn_allocator.alloc(need_size)
+
+    def alloc_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        raise NotImplementedError("PureSWATokenToKVPoolAllocator does not support page_size > 1")
+
+    def alloc_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        raise NotImplementedError("PureSWATokenToKVPoolAllocator does not support page_size > 1")
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is None:
+            # SGLang's filter: an entry reading 0 names no slot (a data-dependent shape: a sync).
+            self.swa_attn_allocator.free(free_index[free_index > 0])
+        else:
+            self.free_group.append(free_index.clone())
+        self._expect_within_bound(self.swa_attn_allocator)
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        self.free(free_index)
+
+    def free_full(self, free_index: torch.Tensor) -> None:
+        """Nothing to release: there is no full pool apart from the SWA one."""
+
+    def free_group_begin(self) -> None:
+        assert self.free_group is None, "free groups do not nest"
+        self.free_group = []
+
+    def free_group_end(self) -> None:
+        assert self.free_group is not None, "free_group_end without free_group_begin"
+        pending, self.free_group = self.free_group, None
+        if pending:
+            self.free(torch.cat(pending))
+
+    def backup_state(self) -> SWAAllocatorState:
+        state = self.swa_attn_allocator.backup_state()
+        return SWAAllocatorState(state, state, self.full_to_swa_index_mapping.clone())
+
+    def restore_state(self, state: SWAAllocatorState) -> None:
+        self.swa_attn_allocator.restore_state(state.swa)
+
+    def merge_and_sort_free(self) -> None:
+        self.swa_attn_allocator.merge_and_sort_free()
+
+    def drop_counts(self) -> dict[str, dict[str, int]]:
+        counts = self.swa_attn_allocator.drop_counts()
+        return {"full": counts, "swa": counts}
+
+    def drop_counter(self) -> torch.Tensor:
+        total = self.swa_attn_allocator.drop_counter()
+        return torch.stack([total, total])
+
+    def note_drop_totals(self, totals: list[int]) -> None:
+        self.swa_attn_allocator.note_drop_totals(totals[1])

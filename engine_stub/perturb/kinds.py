@@ -92,7 +92,12 @@ def _site_target(ctx: KindContext) -> Req | None:
 
 
 def _window_start(sched: Scheduler, req: Req) -> int:
-    """The oldest position of `req` still inside the window with its SWA KV (the next to slide out)."""
+    """The oldest position of `req` inside its attention window, whose SWA KV is live.
+
+    Window eviction is rate-limited (SGLang's cadence), so the frontier lags: positions in
+    `[swa_evicted_seqlen, kv_len - window)` are already out of the window yet keep their SWA KV
+    until the next eviction. The frontier only passes `kv_len - window` when a kind pushed it.
+    """
     return max(req.kv_len - sched.window, req.swa_evicted_seqlen)
 
 
