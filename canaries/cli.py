@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -183,6 +184,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--runtime {args.runtime!r}: valid runtimes: {', '.join(RUNTIMES)}")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
+    if args.start is not None:
+        os.environ["CANARY_ENGINE_START"] = args.start  # read by every LocalRuntime of this run
+    if args.runtime == "local" and os.environ.get("CANARY_ENGINE_START", "auto") != "fresh":
+        from canaries.runtime.warm import prestart
+
+        prestart()  # the fork server imports torch while the scenarios load
     scenarios = select(load_scenarios(args.paths), args.k, args.shard)
     if not scenarios:
         raise UsageError("no scenario matches the selection")
@@ -343,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")
     run.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     run.add_argument("--shard", metavar="I/N", help="run every Nth scenario starting at I-1")
+    run.add_argument("--start", choices=("auto", "warm", "fresh"), default=None,
+                     help="local engines: forked from a warm parent, or fresh processes (default "
+                          "auto: warm unless the engine is on CUDA; env CANARY_ENGINE_START)")
     run.set_defaults(func=cmd_run)
 
     lst = sub.add_parser("list", help="list perturbation kinds, invariants, scenarios, profiles")

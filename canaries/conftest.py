@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -10,11 +12,29 @@ import pytest
 import yaml
 
 
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited; only its parent's wait is due
+
+
 def engines_under(path: Path) -> list[int]:
-    """Pids of engine processes whose command line names `path` (a test's own engines only)."""
+    """Pids of live engine processes launched for run dirs under `path` (a test's own engines).
+
+    Fresh engines name the path in their command line; a warm engine is a fork of the fork
+    server and carries its command line instead, so its pid is read from the event log it wrote.
+    """
     out = subprocess.run(["pgrep", "-f", f"engine_stub --scenario {path}"], capture_output=True,
                          text=True, check=False)
-    return [int(p) for p in out.stdout.split()]
+    pids = {int(p) for p in out.stdout.split()}
+    for log in Path(path).rglob("events.jsonl"):
+        with contextlib.suppress(OSError, ValueError):
+            first = json.loads(log.read_text(encoding="utf-8").splitlines()[0])
+            if first.get("kind") == "engine_start":
+                pids.add(int(first["pid"]))
+    return sorted(p for p in pids if _alive(p))
 
 
 @pytest.fixture

@@ -156,6 +156,39 @@ def oracle_mismatches(config: dict, prompts: list[list[int]], responses: list[di
     return mismatches
 
 
+class _Oracle:
+    """The output oracle of a clean greedy scenario, computed on a thread of its own."""
+
+    def __init__(self, scenario: Any, spec: dict, prompts: list[list[int]], events_path: Path) -> None:
+        self._wanted = scenario.expect.clean and scenario.workload.temperature == 0
+        self._max_new = scenario.workload.max_new_tokens
+        self._spec, self._prompts, self._events_path = spec, prompts, events_path
+        self._thread: threading.Thread | None = None
+        self._mismatches: list[dict] = []
+        self._error: str | None = None
+
+    def start(self, responses: list[dict]) -> None:
+        if self._wanted and responses:
+            self._thread = threading.Thread(target=self._run, args=(responses,), daemon=True,
+                                            name="canary-oracle")
+            self._thread.start()
+
+    def _run(self, responses: list[dict]) -> None:
+        # The config in force is the engine's own record of it (its first event).
+        start_ev = next((e for e in _read_events(self._events_path)[:1] if e.get("kind") == "engine_start"),
+                        None)
+        config = (start_ev or {}).get("config") or self._spec.get("engine", {})
+        try:
+            self._mismatches = oracle_mismatches(config, self._prompts, responses, self._max_new)
+        except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
+            self._error = f"the output oracle failed: {type(exc).__name__}: {exc}"
+
+    def result(self) -> tuple[list[dict], str | None]:
+        if self._thread is not None:
+            self._thread.join()
+        return self._mismatches, self._error
+
+
 # ---- one scenario ----------------------------------------------------------------------------------
 
 
@@ -214,6 +247,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     exit_code: int | None = None
     rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S)
     phases: dict[str, float] = {}
+    oracle = _Oracle(scenario, spec, prompts, run_dir / "events.jsonl")
 
     def mark(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - a running clock
         now = time.monotonic()
@@ -232,6 +266,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.requests)
         responses = drive_workload(base_url, workload, seed, deadline, prompts=prompts)
         mark("drive")
+        oracle.start(responses)  # computed while the engine idles and stops
         timed_out = any(r.get("error") and ("Timeout" in r["error"] or "deadline" in r["error"])
                         for r in responses) and rt.running
         if rt.running:
@@ -251,14 +286,10 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     # stopped under the scenario, and whatever it left is no verdict.
     cancelled = _CANCEL.is_set()
     events = _read_events(run_dir / "events.jsonl")
-    mismatches: list[dict] = []
-    if scenario.expect.clean and workload.temperature == 0 and responses and not cancelled:
-        start_ev = next((e for e in events if e.get("kind") == "engine_start"), None)
-        config = (start_ev or {}).get("config") or spec.get("engine", {})
-        try:
-            mismatches = oracle_mismatches(config, prompts, responses, workload.max_new_tokens)
-        except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
-            error = error or f"the output oracle failed: {type(exc).__name__}: {exc}"
+    mismatches, oracle_error = oracle.result()
+    if cancelled:
+        mismatches = []
+    error = error or oracle_error
     _write_jsonl(run_dir / "responses.jsonl",
                  [{**r, "prompt": p} for r, p in zip(responses, prompts, strict=False)])
     mark("oracle")
@@ -272,6 +303,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         record = _interrupted(record)
     duration = round(time.monotonic() - started, 3)
     record.extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
+                         "start_mode": getattr(rt, "start_mode", None),
                          "exit_code": exit_code, "phases_s": phases,
                          "repro": f"canary run {scenario.path} --runtime {runtime}"
                                   + (f" --device {device}" if device else "")})

@@ -1,7 +1,9 @@
 """The local runtime: the engine as a subprocess in its own process group.
 
-`start` launches `python -m engine_stub` with the scenario's spec, waits for its ready line and
-returns the base URL; `stop` sends SIGTERM to the whole group (the engine drains and exits 0),
+`start` launches `python -m engine_stub` with the scenario's spec, waits for its ready line (the
+engine writes it to a pipe of ours as well as to its log) and returns the base URL. The engine is
+forked from a warm parent (`canaries.runtime.warm`) where that is safe, else started fresh;
+either way it leads a process group of its own, and `start_mode` says which ran. `stop` sends SIGTERM to the whole group (the engine drains and exits 0),
 then SIGKILL if it lingers. Every live runtime is also tracked so that an `atexit` hook and a
 SIGTERM handler can stop engines the caller never got to stop: no orphan survives the harness.
 """
@@ -9,16 +11,23 @@ SIGTERM handler can stop engines the caller never got to stop: no orphan survive
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from canaries.runtime import safety
+from canaries.runtime.warm import START_MODES, WarmProcess, fork_server, start_mode
+from engine_stub.__main__ import READY_FD_ENV
+
+START_ENV = "CANARY_ENGINE_START"
 
 __all__ = ["LocalRuntime", "serves", "tail_text"]
 
@@ -49,15 +58,54 @@ def _tail(path: Path, lines: int = 30) -> str:
     return tail_text(text, lines)
 
 
+def _read_ready_line(fd: int, timeout: float) -> str | None:
+    """The line the engine writes to its ready pipe; None on EOF (it exited) or timeout."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            data += chunk
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace")
+
+
+def _spec_device(spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
+    """The device the engine will be asked for (a --device flag, else the spec's engine.device)."""
+    flags = list(flags)
+    if "--device" in flags[:-1]:
+        return flags[flags.index("--device") + 1]
+    if spec_path is None:
+        return os.environ.get("ENGINE_STUB_DEVICE")
+    try:
+        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a YAML scenario or an unreadable one: the engine reports it
+    engine = spec.get("engine") if isinstance(spec, dict) else None
+    return engine.get("device") if isinstance(engine, dict) else None
+
+
 class LocalRuntime:
     """One engine subprocess. Use as a context manager; `stop()` is idempotent."""
 
     name = "local"
 
-    def __init__(self, ready_timeout: float = 30.0, python: str | None = None) -> None:
+    def __init__(self, ready_timeout: float = 30.0, python: str | None = None,
+                 start: str | None = None) -> None:
         self.ready_timeout = ready_timeout
         self.python = python or sys.executable
-        self.proc: subprocess.Popen | None = None
+        # auto | warm | fresh (see canaries.runtime.warm); the mode that ran is `start_mode`.
+        self.requested_start = start or os.environ.get(START_ENV) or "auto"
+        if self.requested_start not in START_MODES:
+            raise ValueError(f"{START_ENV}/start={self.requested_start!r}: valid: {', '.join(START_MODES)}")
+        self.start_mode: str | None = None
+        self.proc: subprocess.Popen | WarmProcess | None = None
         self.base_url: str | None = None
         self.run_dir: Path | None = None
         self.log_path: Path | None = None
@@ -95,36 +143,43 @@ class LocalRuntime:
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
         safety.install_sigterm_handler()
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        safety.register(self)
+        self.start_mode = start_mode(self.requested_start, _spec_device(spec_path, extra_flags))
+        if self.start_mode == "warm":
+            self.proc = fork_server(self.python).spawn(cmd[3:], env, self.log_path)
+            safety.register(self)
+            ready = lambda: self.proc.wait_ready(self.ready_timeout)  # noqa: E731
+        else:
+            ready_r, ready_w = os.pipe()
+            env[READY_FD_ENV] = str(ready_w)
+            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                             pass_fds=(ready_w,))
+            finally:
+                os.close(ready_w)
+            safety.register(self)
+            ready = lambda: _read_ready_line(ready_r, self.ready_timeout)  # noqa: E731
         try:
-            self.base_url = self._wait_ready()
+            self.base_url = self._wait_ready(ready)
         except BaseException:
             self.stop(timeout=2)
             raise
         return self.base_url
 
-    def _wait_ready(self) -> str:
+    def _wait_ready(self, ready_line) -> str:
+        """The base URL from the engine's ready line (pushed to us, never polled for)."""
         assert self.proc is not None and self.log_path is not None
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            try:
-                text = self.log_path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                text = ""
-            match = READY_RE.search(text)
-            if match and serves(match.group(1)):
-                return match.group(1)
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"the engine exited with code {code} before it was ready; "
-                                   f"log tail ({self.log_path}):\n{_tail(self.log_path)}")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"the engine was not ready within {self.ready_timeout:.0f}s; "
-                                   f"log tail ({self.log_path}):\n{_tail(self.log_path)}")
-            time.sleep(0.05)
+        line = ready_line()
+        match = READY_RE.search(line or "")
+        if match:
+            return match.group(1)
+        code = self.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"the engine exited with code {code} before it was ready; "
+                               f"log tail ({self.log_path}):\n{_tail(self.log_path)}")
+        raise RuntimeError(f"the engine was not ready within {self.ready_timeout:.0f}s; "
+                           f"log tail ({self.log_path}):\n{_tail(self.log_path)}")
 
     def poll(self) -> int | None:
         """The exit code if the engine has exited, else None."""

@@ -1,0 +1,238 @@
+"""Warm starts for the local runtime: engines forked from one pre-warmed parent.
+
+A harness process starts at most one fork server (`python -m engine_stub.forkserver`), which has
+torch and the engine imported, and asks it for each scenario's engine. The engine it forks is a
+session leader like a fresh `python -m engine_stub` started with `start_new_session=True`, so
+`LocalRuntime` signals it the same way; `WarmProcess` gives it the `subprocess.Popen` interface
+the runtime uses (`pid`, `poll`, `wait`, `returncode`), its exit code reported by the server.
+
+The server reads its stdin from a pipe only this process holds: if the harness dies, however it
+dies, the server kills every engine it forked and exits.
+
+Forking is unsafe once a process has a CUDA context; the server never makes one, but a CUDA
+engine still starts fresh (`start_mode`), and so does any engine on a platform without fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["ForkServer", "WarmProcess", "fork_server", "prestart", "start_mode", "START_MODES"]
+
+START_MODES = ("auto", "warm", "fresh")
+SERVER_READY_TIMEOUT_S = 60.0
+
+
+def start_mode(requested: str, device: str | None) -> str:
+    """"warm" or "fresh" for an engine on `device` ("auto" picks warm where it is safe)."""
+    if requested not in START_MODES:
+        raise ValueError(f"start mode {requested!r}: valid modes: {', '.join(START_MODES)}")
+    forkable = hasattr(os, "fork") and sys.platform.startswith("linux")
+    cuda = device == "cuda" or (device in (None, "auto") and _has_cuda_device())
+    if requested == "fresh" or not forkable or cuda:
+        return "fresh"
+    return "warm"
+
+
+def _has_cuda_device() -> bool:
+    # Without importing torch (which a CUDA query would initialise): the driver's device nodes.
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+class WarmProcess:
+    """One engine forked by the server: the parts of `subprocess.Popen` the runtime uses."""
+
+    def __init__(self, conn: socket.socket, pid: int, buffered: bytes) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+        self.ready_line: str | None = None
+        self._buffer = buffered
+        self._lock = threading.Lock()
+        self._consume()
+
+    def __del__(self) -> None:
+        self._conn.close()
+
+    def _consume(self) -> None:
+        while b"\n" in self._buffer:
+            raw, self._buffer = self._buffer.split(b"\n", 1)
+            line = raw.decode("utf-8", "replace").strip()
+            if line.startswith("{"):
+                message = json.loads(line)
+                if "exit" in message:
+                    self.returncode = int(message["exit"])
+                    self._conn.close()  # the server sends nothing after the exit code
+            elif line:
+                self.ready_line = line
+
+    def _read(self, timeout: float | None) -> bool:
+        """Read what the server sent within `timeout`; False once the connection is closed."""
+        if self._conn.fileno() < 0:
+            return False
+        readable, _, _ = select.select([self._conn], [], [], timeout)
+        if not readable:
+            return True
+        chunk = self._conn.recv(65536)
+        if not chunk:
+            self._conn.close()
+            if self.returncode is None:
+                self.returncode = -9  # the server itself died: its engines died with it
+            return False
+        self._buffer += chunk
+        self._consume()
+        return True
+
+    def wait_ready(self, timeout: float) -> str | None:
+        """The engine's ready line, or None if it exited or `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self.ready_line is None and self.returncode is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._read(left):
+                    break
+        return self.ready_line
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self.returncode is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"engine pid {self.pid}", timeout or 0)
+                if not self._read(left):
+                    break
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ForkServer:
+    """The harness's handle on one running fork server."""
+
+    def __init__(self, python: str | None = None) -> None:
+        self.python = python or sys.executable
+        self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
+        self.socket_path = str(self._dir / "sock")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_repo_root()), env.get("PYTHONPATH")) if p)
+        self.log_path = self._dir / "forkserver.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", "engine_stub.forkserver", self.socket_path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                start_new_session=True,
+            )
+        line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S)
+        if line.strip() != "engine_stub forkserver ready":
+            self.close(keep_log=True)
+            raise RuntimeError(f"the engine fork server did not start (got {line.strip()!r}); "
+                               f"its log: {self.log_path}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
+              cwd: str | os.PathLike | None = None) -> WarmProcess:
+        """Fork one engine running `python -m engine_stub ARGV`; its process handle."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket_path)
+        request = {"argv": list(argv), "env": env, "log": str(log_path), "cwd": str(cwd or os.getcwd())}
+        conn.sendall((json.dumps(request) + "\n").encode())
+        buffered = b""
+        deadline = time.monotonic() + 10
+        while b"\n" not in buffered:
+            left = deadline - time.monotonic()
+            readable, _, _ = select.select([conn], [], [], max(left, 0))
+            chunk = conn.recv(65536) if readable else b""
+            if not chunk:
+                conn.close()
+                raise RuntimeError("the engine fork server did not answer a fork request")
+            buffered += chunk
+        first, rest = buffered.split(b"\n", 1)
+        message = json.loads(first)
+        if "pid" not in message:
+            conn.close()
+            raise RuntimeError(f"the engine fork server refused: {message.get('error', message)}")
+        return WarmProcess(conn, int(message["pid"]), rest)
+
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the server; it kills whatever engines it still has."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        with contextlib.suppress(OSError):
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        if not keep_log:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _readline(stream, timeout: float) -> str:
+    readable, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline().decode("utf-8", "replace") if readable else ""
+
+
+_SERVER: ForkServer | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def fork_server(python: str | None = None) -> ForkServer:
+    """This process's fork server for `python`, started on first use (and again if it died)."""
+    global _SERVER
+    with _SERVER_LOCK:
+        want = python or sys.executable
+        if _SERVER is not None and (not _SERVER.alive or _SERVER.python != want):
+            _SERVER.close()
+            _SERVER = None
+        if _SERVER is None:
+            _SERVER = ForkServer(want)
+        return _SERVER
+
+
+def prestart(python: str | None = None) -> None:
+    """Start this process's fork server in the background (its imports overlap other work).
+
+    A failure here is left for the first `fork_server()` call to raise."""
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            fork_server(python)
+
+    threading.Thread(target=start, name="canary-forkserver-start", daemon=True).start()
+
+
+@atexit.register
+def _close_server() -> None:
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is not None:
+            _SERVER.close()
+            _SERVER = None

@@ -1,0 +1,99 @@
+"""Warm starts: an engine forked from the pre-warmed parent behaves exactly as a fresh process
+(verdicts, event traces, crash and kill codes), and nothing outlives the harness."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from canaries.conftest import engines_under
+from canaries.runner import run_scenario
+from canaries.runtime.warm import start_mode
+from canaries.scenario import load_scenario
+from engine_stub.events import read_events, trace_of
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = REPO / "configs" / "scenarios"
+# A control, an invariant crash (exit 3), a canary-raise crash (exit 4), a survived detection.
+PARITY = ["clean-page1-radix", "corrupt-r2t-strict", "flip-kv-canary-raise", "leak-request"]
+
+
+def _run(name: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **kw):
+    monkeypatch.setenv("CANARY_ENGINE_START", mode)
+    run_dir = tmp_path / mode / name
+    record = run_scenario(load_scenario(SCENARIOS / f"{name}.yaml"), run_dir, **kw)
+    assert engines_under(run_dir) == []
+    return record, trace_of(read_events(run_dir / "events.jsonl"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PARITY)
+def test_warm_and_fresh_engines_give_the_same_verdict_and_trace(name, tmp_path, monkeypatch):
+    fresh, fresh_trace = _run(name, "fresh", tmp_path, monkeypatch)
+    warm, warm_trace = _run(name, "warm", tmp_path, monkeypatch)
+    assert (fresh.extra["start_mode"], warm.extra["start_mode"]) == ("fresh", "warm")
+    assert (warm.verdict, warm.signature) == (fresh.verdict, fresh.signature)
+    assert warm.extra["exit_code"] == fresh.extra["exit_code"]
+    assert warm_trace == fresh_trace
+
+
+@pytest.mark.slow
+def test_warm_engine_killed_from_outside_reads_as_the_signal(tmp_path, monkeypatch):
+    codes = {}
+    for mode in ("fresh", "warm"):
+        def kill_soon(rt) -> None:
+            threading.Timer(0.2, rt.kill, args=(signal.SIGKILL,)).start()
+
+        record, _ = _run("clean-page1-radix", mode, tmp_path, monkeypatch, on_started=kill_soon)
+        codes[mode] = (record.verdict, record.extra["exit_code"])
+    assert codes["warm"] == codes["fresh"] == ("INCONCLUSIVE", -signal.SIGKILL)
+
+
+HARNESS = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from canaries.runtime.warm import fork_server
+    server = fork_server()
+    proc = server.spawn(["--port", "0", "--event-log", {log!r}], {{}}, {out!r})
+    assert proc.wait_ready(30), "engine not ready"
+    print(server.proc.pid, proc.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_killed_harness_takes_its_fork_server_and_engines_along(tmp_path):
+    script = HARNESS.format(repo=str(REPO), log=str(tmp_path / "events.jsonl"),
+                            out=str(tmp_path / "engine.log"))
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as harness:
+        server_pid, engine_pid = (int(p) for p in harness.stdout.readline().split())
+        assert _alive(server_pid) and _alive(engine_pid)
+        harness.kill()  # SIGKILL: no atexit, no handler runs in the harness
+        harness.wait(10)
+        deadline = time.monotonic() + 10
+        while (_alive(server_pid) or _alive(engine_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(engine_pid), "the engine outlived its harness"
+        assert not _alive(server_pid), "the fork server outlived its harness"
+
+
+def test_cuda_engines_and_an_explicit_fresh_request_start_fresh():
+    assert start_mode("auto", "cuda") == "fresh"
+    assert start_mode("fresh", "cpu") == "fresh"
+    assert start_mode("warm", "cpu") == "warm"
+    with pytest.raises(ValueError, match="valid modes"):
+        start_mode("lukewarm", "cpu")
