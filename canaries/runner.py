@@ -344,7 +344,7 @@ def _unjudged(scenario: Any, verdict: str, reason: str, state: str) -> Any:
         scenario=scenario.name, verdict=verdict, passed=False, reason=reason,
         signature=f"{verdict}||{first_kind}", landed=[], firings=[], latency={},
         engine_outcome="not_started" if verdict == NOT_RUN else "unknown", ledgers=None,
-        seed=scenario.seed, engine=dict(scenario.engine),
+        seed=scenario.seed, engine=scenario.engine_knobs,
         expect=dataclasses.asdict(scenario.expect), extra={"interrupted": {"state": state}})
 
 

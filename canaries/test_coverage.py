@@ -1,24 +1,35 @@
-"""The kill matrix's coverage: every detector has a scenario that fires it, every kind lands somewhere.
+"""The kill matrix's coverage: every detector has a scenario that fires it, every kind lands
+somewhere, and every kind's `caught_by` is what the scenarios using it expect.
 
 Static over the library (no engine runs): the scenarios themselves prove, when they run, that
-the detectors they name really fire.
+the detectors they name really fire. Given a run's kill matrix (`CANARY_KILL_MATRIX`: a report
+dir or its kill_matrix.json), each kind's `caught_by` is also checked against what fired.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from canaries.scenario import discover, known_detectors, known_kinds, load_scenario
+from engine_stub.perturb.kinds import KINDS
 
 SCENARIOS = [load_scenario(path) for path in discover()]
 
 
-def _expected_detectors() -> set[str]:
+def _expected_detectors(kind: str | None = None) -> set[str]:
+    """What the library's scenarios (those using `kind`, if given) expect to fire."""
     named: set[str] = set()
     for scenario in SCENARIOS:
-        if scenario.expect.verdict is None:  # a negative test proves a miss, not a detection
-            named.update(scenario.expect.fires)
-            named.update(scenario.expect.detected_by)
+        if scenario.expect.verdict is not None:  # a negative test proves a miss, not a detection
+            continue
+        if kind is not None and kind not in {spec.kind for spec in scenario.perturbations}:
+            continue
+        named.update(scenario.expect.fires)
+        named.update(scenario.expect.detected_by)
     return named
 
 
@@ -33,6 +44,38 @@ def test_every_kind_has_a_scenario(kind: str) -> None:
     assert kind in used, f"no scenario uses the perturbation kind {kind}: add one that proves it lands"
 
 
+@pytest.mark.parametrize("kind", sorted(known_kinds()))
+def test_every_detector_a_kind_claims_is_expected_by_a_scenario_using_it(kind: str) -> None:
+    unproven = set(KINDS[kind].caught_by) - _expected_detectors(kind)
+    assert not unproven, (f"{kind} claims caught_by {sorted(unproven)}, but no scenario using it "
+                          "expects them: add one, or drop the claim")
+
+
+@pytest.mark.parametrize("kind", sorted(known_kinds()))
+def test_every_detector_a_scenario_expects_of_a_kind_is_claimed_by_it(kind: str) -> None:
+    unclaimed = _expected_detectors(kind) - set(KINDS[kind].caught_by)
+    assert not unclaimed, (f"scenarios using {kind} expect {sorted(unclaimed)}, which its "
+                           "caught_by does not name: declare them where the kind registers")
+
+
+def _kill_matrix() -> dict | None:
+    where = os.environ.get("CANARY_KILL_MATRIX")
+    if not where:
+        return None
+    path = Path(where)
+    return json.loads((path / "kill_matrix.json" if path.is_dir() else path).read_text())
+
+
+@pytest.mark.parametrize("kind", sorted(known_kinds()))
+def test_every_detector_a_kind_claims_killed_it_in_the_run(kind: str) -> None:
+    matrix = _kill_matrix()
+    if matrix is None:
+        pytest.skip("no run to check against: set CANARY_KILL_MATRIX to a report dir")
+    fired = set(matrix["cells"].get(kind, {}))
+    missing = set(KINDS[kind].caught_by) - fired
+    assert not missing, f"{kind} claims caught_by {sorted(missing)}, which never fired after it landed"
+
+
 def test_library_has_a_control_per_page_size_and_cache_mode() -> None:
-    controls = {(s.engine["page_size"], s.engine["radix_cache"]) for s in SCENARIOS if s.expect.clean}
+    controls = {(s.engine.page_size, s.engine.radix_cache) for s in SCENARIOS if s.expect.clean}
     assert {(1, True), (1, False), (16, True), (16, False)} <= controls

@@ -91,7 +91,7 @@ def test_a_silent_detector_that_fires_is_wrong_detector(run):
 def test_a_control_whose_invariant_fires_is_a_false_alarm(write_scenario):
     scenario = load_scenario(write_scenario(_doc("control", expect={"clean": True})))
     events = [
-        {"seq": 1, "step": 0, "kind": "engine_start", "config": dict(scenario.engine)},
+        {"seq": 1, "step": 0, "kind": "engine_start", "config": scenario.engine_knobs},
         {"seq": 2, "step": 5, "kind": "invariant_firing", "invariant": "swa.peer_mapped",
          "bucket": "FATAL_UNCONTAINABLE", "level": "STRICT"},
         {"seq": 3, "step": 5, "kind": "shutdown"},

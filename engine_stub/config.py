@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHOICES", "EngineConfig", "ConfigError", "config_from_sources", "add_config_flags", "KNOB_HELP"]
+__all__ = ["CHOICES", "EngineConfig", "ConfigError", "coerce_knob", "config_from_sources",
+           "add_config_flags", "KNOB_HELP"]
 
 ENV_PREFIX = "ENGINE_STUB_"
 
@@ -173,8 +174,11 @@ def _knob_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "sources"}
 
 
-def _coerce(name: str, raw: Any, source: str) -> Any:
-    """Turn a flag/env/YAML value into the field's type, or raise ConfigError naming it."""
+def coerce_knob(name: str, raw: Any, source: str) -> Any:
+    """Turn a flag/env/YAML value into knob `name`'s type, or raise ConfigError naming it.
+
+    Only the value's type and spelling (`0|1|2` for invariant_check, case): the constraints
+    between knobs are EngineConfig's, checked when one is built."""
     default = _knob_fields()[name].default
     try:
         if isinstance(default, bool):
@@ -222,16 +226,16 @@ def config_from_sources(
     for name in _knob_fields():
         env_name = ENV_PREFIX + name.upper()
         if environ.get(env_name, "") != "":
-            values[name] = _coerce(name, environ[env_name], env_name)
+            values[name] = coerce_knob(name, environ[env_name], env_name)
             sources[name] = env_name
     for name, raw in (flags or {}).items():
         if raw is not None:
-            values[name] = _coerce(name, raw, "--" + name.replace("_", "-"))
+            values[name] = coerce_knob(name, raw, "--" + name.replace("_", "-"))
             sources[name] = "--" + name.replace("_", "-")
     for name, raw in (overrides or {}).items():
         if name not in _knob_fields():
             raise ConfigError(f"unknown engine knob {name!r} (from {overrides_source}); known: {', '.join(_knob_fields())}")
-        values[name] = _coerce(name, raw, overrides_source)
+        values[name] = coerce_knob(name, raw, overrides_source)
         sources[name] = overrides_source
     return EngineConfig(**values, sources=sources)
 

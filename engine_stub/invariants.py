@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_stub.detectors import SCRATCH_PREFIX, detector
+
 __all__ = [
     "Bucket",
     "Finite",
@@ -203,9 +205,14 @@ _REGISTRY_LOCK = threading.Lock()
 class Invariant:
     """A named runtime check, registered once per process by its unique name.
 
+    Every name is declared in the detector catalogue (`engine_stub/detectors.py`) with the same
+    bucket; names under `test.` are unit tests' scratch invariants, outside the catalogue.
+
     Args:
-        name: unique dotted name (`swa.peer_mapped`); a duplicate raises KeyError.
-        bucket: blast radius, which decides the crash matrix row.
+        name: unique dotted name (`swa.peer_mapped`); a duplicate raises KeyError, a name the
+            catalogue does not declare raises KeyError.
+        bucket: blast radius, which decides the crash matrix row; one that differs from the
+            catalogue's raises ValueError.
         prop: the element-wise property `expect` evaluates.
         site: where the check runs (`SWATokenToKVPoolAllocator.free_swa`), for events.
         description: one line for `canary list invariants`.
@@ -231,6 +238,7 @@ class Invariant:
             raise TypeError(f"invariant {name}: bucket must be a Bucket, got {bucket!r}")
         if bucket == Bucket.FATAL_UNCONTAINABLE and recover is not None:
             raise ValueError(f"invariant {name}: FATAL_UNCONTAINABLE has no correct recovery")
+        _check_catalogued(name, bucket)
         self.name = name
         self.bucket = bucket
         self.prop = prop
@@ -253,6 +261,20 @@ class Invariant:
             counter = torch.zeros((), dtype=torch.int64, device=device)
             self._counters[device] = counter
         return counter
+
+
+def _check_catalogued(name: str, bucket: Bucket) -> None:
+    """Refuse an invariant the detector catalogue does not declare, or declares otherwise."""
+    if name.startswith(SCRATCH_PREFIX):
+        return
+    try:
+        entry = detector(name)
+    except KeyError:
+        raise KeyError(f"invariant {name!r} is not in the detector catalogue: declare it in "
+                       "engine_stub/detectors.py (name, bucket, site, description)") from None
+    if entry.bucket != bucket.name:
+        raise ValueError(f"invariant {name}: bucket {bucket.name} differs from the catalogue's "
+                         f"{entry.bucket} (engine_stub/detectors.py)")
 
 
 def registered_invariants() -> tuple[Invariant, ...]:

@@ -37,7 +37,17 @@ from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
 from engine_stub.mem.kv_pool import HybridKVPool
 from engine_stub.mem.radix import SWARadixCache
 from engine_stub.model import ForwardBatch, ModelConfig, TinyHybridModel, sample
-from engine_stub.perturb.sites import Site
+from engine_stub.perturb.sites import (
+    NO_FINISH_EFFECT,
+    AfterForward,
+    BeforeStep,
+    CacheHit,
+    ReqState,
+    RequestFinish,
+    Sampling,
+    SiteContext,
+    WindowEviction,
+)
 from engine_stub.req import Req, RequestRejected
 
 __all__ = ["Scheduler", "CanaryRaised"]
@@ -154,7 +164,8 @@ class Scheduler:
         """Run one prefill or decode batch, then read back firings and violations."""
         self.step_no += 1
         self.events.step = self.step_no
-        self._hook(Site.BEFORE_STEP)
+        if self.perturber is not None:
+            self._hook(BeforeStep())
         self._drop_aborted()
         batch_reqs = self._schedule_prefill()
         kind = "prefill"
@@ -172,7 +183,8 @@ class Scheduler:
         logits = self.model.forward(batch, self.kv_pool, token_table)
         for req, seq_len in zip(reqs, batch.seq_lens, strict=True):
             req.kv_len = seq_len
-        self._hook(Site.AFTER_FORWARD, reqs=reqs, batch=batch)
+        if self.perturber is not None:
+            self._hook(AfterForward(tuple(map(ReqState.of, reqs))))
         self.canary.write(canary_reqs, token_table, self.step_no)
         self.canary.verify("TAIL", canary_reqs, token_table, self.step_no)
         self._maybe_sweep()
@@ -180,8 +192,8 @@ class Scheduler:
         next_ids = self._read_back(sampled)
         for req, token in zip(reqs, next_ids, strict=True):
             self.canary.note_sampled(req.rid, token)
-        overridden = self._hook(Site.ON_SAMPLING, reqs=reqs, next_ids=next_ids)
-        next_ids = overridden.get("next_ids", next_ids)
+        if self.perturber is not None:
+            next_ids = self._hook(Sampling(tuple(map(ReqState.of, reqs)), tuple(next_ids))).next_ids
         self.stats[f"{kind}_steps"] += 1
         self.stats["generated_tokens"] += len(reqs)
         finished = []
@@ -329,8 +341,8 @@ class Scheduler:
         self._note_swa_use(slots)
         self.events.write("request_admitted", rid=req.rid, prompt_len=req.prompt_len,
                           cached_len=prefix_len, row=req.row)
-        if prefix_len:
-            self._hook(Site.CACHE_HIT, req=req, cached_len=prefix_len)
+        if prefix_len and self.perturber is not None:
+            self._hook(CacheHit(ReqState.of(req), prefix_len))
         return True
 
     def _alloc_extend(self, req: Req, prefix_len: int, match) -> torch.Tensor | None:
@@ -423,12 +435,14 @@ class Scheduler:
             if new_frontier <= frontier:
                 continue
             slots = table[req.row, frontier:new_frontier].to(torch.int64)
-            overridden = self._hook(Site.ON_WINDOW_EVICTION, req=req, slots=slots,
-                                    frontier=frontier, new_frontier=new_frontier)
-            self.allocator.free_swa(overridden.get("slots", slots))
-            if "then_free_swa" in overridden:  # a caller's second free_swa of the same slots
-                self.allocator.free_swa(overridden["then_free_swa"])
-            new_frontier = overridden.get("new_frontier", new_frontier)
+            if self.perturber is None:
+                self.allocator.free_swa(slots)
+            else:
+                effect = self._hook(WindowEviction(ReqState.of(req), slots, frontier, new_frontier))
+                self.allocator.free_swa(effect.free)
+                if effect.free_again is not None:  # a caller's second free_swa of the same slots
+                    self.allocator.free_swa(effect.free_again)
+                new_frontier = effect.new_frontier
             self.stats["swa_evicted_tokens"] += new_frontier - frontier
             req.swa_evicted_seqlen = new_frontier
 
@@ -438,12 +452,12 @@ class Scheduler:
         req.finished_step = self.step_no
         self.running.remove(req)
         self.canary.forget(req.rid)
-        overridden = self._hook(Site.ON_REQUEST_FINISH, req=req)
-        if not overridden.get("leak", False):
+        effect = NO_FINISH_EFFECT if self.perturber is None else self._hook(RequestFinish(ReqState.of(req)))
+        if not effect.leak:
             self._release_kv(req)
             self.req_to_token_pool.free(req)
-        if "then_free_full" in overridden:
-            self.allocator.free_full(overridden["then_free_full"])
+        if effect.free_full_again is not None:
+            self.allocator.free_full(effect.free_full_again)
         self.stats["finished_requests"] += 1
         self.events.write("request_finished", rid=req.rid, output_len=len(req.output_ids),
                           admitted_step=req.admitted_step, finish_reason=req.finish_reason)
@@ -522,10 +536,11 @@ class Scheduler:
 
     # ---- perturbation hooks --------------------------------------------------------------------
 
-    def _hook(self, site: Site, **ctx: Any) -> dict:
-        if self.perturber is None:
-            return {}
-        return self.perturber.at(site, self, **ctx) or {}
+    def _hook(self, hook: SiteContext) -> Any:
+        """Hand a hook site's typed context to the perturber; returns the site's typed effect
+        (perturb/sites.py). Called only when a perturber is loaded: without one no context is
+        even built."""
+        return self.perturber.at(hook, self)
 
     # ---- state ---------------------------------------------------------------------------------
 

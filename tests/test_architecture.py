@@ -41,7 +41,10 @@ ENGINE_FILES = _modules("engine_stub")
 
 # module (or package prefix) -> engine_stub modules it may import; everything else is forbidden.
 ALLOWED = {
-    "engine_stub.invariants": set(),
+    # Torch-free leaves: the detector catalogue and the field tables.
+    "engine_stub.detectors": set(),
+    "engine_stub.fields": set(),
+    "engine_stub.invariants": {"engine_stub.detectors"},
     "engine_stub.events": set(),
     "engine_stub.synccheck": set(),
     "engine_stub.config": set(),
@@ -49,7 +52,7 @@ ALLOWED = {
     "engine_stub.mem": {"engine_stub.invariants", "engine_stub.mem"},
     "engine_stub.model": {"engine_stub.mem"},
     "engine_stub.kv_canary": {"engine_stub.mem"},
-    "engine_stub.perturb": {"engine_stub.perturb"},
+    "engine_stub.perturb": {"engine_stub.perturb", "engine_stub.detectors", "engine_stub.fields"},
     "engine_stub.idle_check": {"engine_stub.invariants"},
     "engine_stub.scheduler": {
         "engine_stub.config", "engine_stub.events", "engine_stub.idle_check", "engine_stub.invariants",
@@ -116,3 +119,43 @@ def test_import_walk_sees_a_planted_edge_but_not_type_checking_ones(tmp_path: Pa
     names = _imports(planted)
     assert {"canaries.cli", "engine_stub.server"} <= names
     assert "engine_stub.scheduler" not in names
+
+
+# ---- the suite's side ------------------------------------------------------------------------
+
+SUITE_FILES = _modules("canaries")
+
+
+def test_scenario_never_imports_the_verdict() -> None:
+    # canaries.verdict judges a Scenario; the scenario format only names the verdicts.
+    offenders = {_module_name(path): sorted(n for n in _imports(path) if n.startswith("canaries.verdict"))
+                 for path in _modules("canaries/scenario")}
+    assert not {m: v for m, v in offenders.items() if v}, offenders
+
+
+def test_every_command_has_its_module_and_the_cli_only_dispatches() -> None:
+    from canaries.commands import COMMANDS
+
+    assert {p.stem for p in (ROOT / "canaries" / "commands").glob("*.py")} \
+        == {*COMMANDS, "__init__", "common"}
+    cli = ROOT / "canaries" / "cli.py"
+    assert len(cli.read_text(encoding="utf-8").splitlines()) < 80, "cli.py is a thin dispatcher"
+
+
+# Modules of the author's loop (validate, list, schema, new): none may import torch when it is
+# imported; tests/test_author_loop.py checks the same at run time.
+TORCH_FREE = ("canaries.cli", "canaries.commands", "canaries.scenario", "engine_stub.config",
+              "engine_stub.detectors", "engine_stub.fields", "engine_stub.perturb.contract",
+              "engine_stub.perturb.kinds", "engine_stub.perturb.loader",
+              "engine_stub.perturb.perturber", "engine_stub.perturb.sites",
+              "engine_stub.perturb.spec", "engine_stub.perturb.targets")
+
+
+@pytest.mark.parametrize("path", [p for p in ENGINE_FILES + SUITE_FILES
+                                  if _module_name(p).startswith(TORCH_FREE)], ids=_module_name)
+def test_author_loop_module_imports_no_torch_at_import(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {n for n in names if n.split(".")[0] == "torch"}, f"{_module_name(path)} imports torch"

@@ -68,6 +68,15 @@ class TestRegistry:
         with pytest.raises(TypeError, match="must be a Bucket"):
             Invariant(f"test.{uuid.uuid4().hex}", "GUARD", IsTrue())  # type: ignore[arg-type]
 
+    def test_register_name_outside_the_catalogue_raises_key_error(self) -> None:
+        with pytest.raises(KeyError, match="not in the detector catalogue"):
+            Invariant(f"alloc.{uuid.uuid4().hex}", Bucket.GUARD, IsTrue())
+
+    def test_register_catalogued_name_with_another_bucket_raises_value_error(self) -> None:
+        # Refused before the registry is touched: the engine's own swa.peer_mapped stays.
+        with pytest.raises(ValueError, match="differs from the catalogue's FATAL_UNCONTAINABLE"):
+            Invariant("swa.peer_mapped", Bucket.GUARD, IsTrue())
+
 
 LEVEL_TEXTS = [
     ("off", OFF),

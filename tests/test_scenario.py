@@ -69,11 +69,11 @@ def test_load_valid_scenario_merges_profile_and_overrides(tmp_path: Path) -> Non
     s = load_scenario(path)
     profile = list_profiles()["cpu-tiny"]
     assert s.name == "strip-mapping-page1" and s.seed == 7 and s.profile == "cpu-tiny"
-    assert s.engine["window"] == 24  # overridden by the scenario
-    assert s.engine["kv_canary"] == "raise"
-    assert s.engine["swa_pool_tokens"] == profile["swa_pool_tokens"]  # from the profile
-    assert s.engine["invariant_check"] == "strict"
-    assert "profile" not in s.engine and s.engine["seed"] == 7
+    assert s.engine.window == 24  # overridden by the scenario
+    assert s.engine.kv_canary == "raise"
+    assert s.engine.swa_pool_tokens == profile["swa_pool_tokens"]  # from the profile
+    assert s.engine.invariant_check == "strict"
+    assert "profile" not in s.engine_knobs and s.engine.seed == 7
     assert s.workload.prompt_tokens == (24, 64)
     assert s.perturbations[0].kind == "strip_swa_mapping"
     assert s.perturbations[0].trigger.event == "window_cross"
@@ -99,7 +99,7 @@ def test_load_default_profile_and_int_prompt_tokens_is_accepted(tmp_path: Path) 
         workload: {prompt_tokens: 32}
         expect: {clean: true}
         """))
-    assert s.profile == "cpu-tiny" and s.engine["device"] == "cpu"
+    assert s.profile == "cpu-tiny" and s.engine.device == "cpu"
     assert s.workload.prompt_tokens == (32, 32) and s.expect.clean and s.perturbations == ()
 
 
@@ -147,10 +147,19 @@ def test_load_bad_trigger_event_lists_valid_events(tmp_path: Path) -> None:
 
 
 def test_load_bad_param_is_reported_on_its_line(tmp_path: Path) -> None:
+    # Params are per kind, checked against the kind's declaration: flip_kv_byte declares byte.
     path = write(tmp_path, VALID.replace("    target: {request: 0, positions: in_window}\n",
-                                         "    target: {request: 0, positions: in_window}\n    params: {byte: -1}\n"))
+                                         "    target: {request: 0, positions: in_window}\n    params: {byte: -1}\n")
+                 .replace("kind: strip_swa_mapping", "kind: flip_kv_byte"))
     p = only(problems_of(path), "perturbations[0].params.byte")
     assert p.line == 10 and ">= 0" in p.message
+
+
+def test_load_param_the_kind_does_not_declare_is_an_unknown_key(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("    target: {request: 0, positions: in_window}\n",
+                                         "    target: {request: 0, positions: in_window}\n    params: {byte: 1}\n"))
+    p = only(problems_of(path), "perturbations[0].params.byte")
+    assert p.line == 10 and "unknown key 'byte'" in p.message
 
 
 def test_load_unknown_detector_lists_valid_detectors(tmp_path: Path) -> None:
@@ -189,7 +198,7 @@ def test_load_disabled_knob_in_force_is_accepted(tmp_path: Path) -> None:
         """)
     text = text.replace("kv_canary: raise}", "kv_canary: raise, invariant_check: off}")
     s = load_scenario(write(tmp_path, text))
-    assert s.engine["invariant_check"] == "off"
+    assert s.engine.invariant_check == "off"
     assert s.expect.disabled is not None and s.expect.disabled.checks == {"invariant_check": "off"}
     assert s.expect.detected_by == ("kv_canary.verify_chain_hash",)
 
@@ -419,3 +428,86 @@ def test_cli_validate_prints_each_problem_on_lines_of_its_own(tmp_path: Path) ->
     assert lines[-2:] == ["2 problem(s) in 2 file(s)", ""], lines
     assert all(line.startswith(f"{tmp_path}/") or line.startswith("    ")
                for line in lines[:-2]), lines
+
+
+# ---- one field table: the validator and the schema agree; the engine config once -----------
+
+
+@pytest.mark.parametrize("path", discover(), ids=lambda p: p.stem)
+def test_json_schema_accepts_every_library_scenario(path: Path) -> None:
+    import jsonschema
+
+    from canaries.scenario.yamldoc import read_doc
+
+    # Read as the suite reads it (YAML 1.2 booleans: `off` stays a string, as in editors).
+    jsonschema.Draft202012Validator(json_schema()).validate(read_doc(path).data)
+
+
+def test_json_schema_takes_each_kinds_params_from_its_declaration() -> None:
+    import jsonschema
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(json_schema())
+    doc = yaml.safe_load(VALID)
+    flip = {"kind": "flip_kv_byte", "params": {"byte": 3}}
+    assert not list(validator.iter_errors({**doc, "perturbations": [flip]}))
+    for bad in ({**flip, "params": {"byte": -1}}, {**flip, "params": {"extra_tokens": 2}},
+                {"kind": "strip_swa_mapping", "params": {"byte": 3}}):
+        assert list(validator.iter_errors({**doc, "perturbations": [bad]})), bad
+
+
+def test_scenario_engine_is_the_engine_config_the_engine_process_builds(tmp_path: Path) -> None:
+    from engine_stub.config import EngineConfig, config_from_sources
+
+    s = load_scenario(write(tmp_path, VALID))
+    assert isinstance(s.engine, EngineConfig)
+    spec = json.loads(json.dumps(engine_spec(s)))  # as spec.json carries it
+    engine_side = config_from_sources(environ={}, overrides=spec["engine"])
+    assert {k: getattr(engine_side, k) for k in s.engine_knobs} == s.engine_knobs
+
+
+@pytest.mark.parametrize("positions", ["[3, 9]", "{from: 3, to: 9}"])
+def test_load_positions_as_yaml_range(tmp_path: Path, positions: str) -> None:
+    s = load_scenario(write(tmp_path, VALID.replace("positions: in_window",
+                                                    f"positions: {positions}")))
+    assert s.perturbations[0].target.positions == (3, 9)
+
+
+def test_load_retained_unread_is_a_position_word(tmp_path: Path) -> None:
+    s = load_scenario(write(tmp_path, VALID.replace("in_window", "retained_unread")))
+    assert s.perturbations[0].target.positions == "retained_unread"
+
+
+# ---- warnings ------------------------------------------------------------------------------
+
+
+def test_request_index_beyond_the_concurrency_is_a_warning_not_a_problem(tmp_path: Path) -> None:
+    from canaries.scenario import check_paths
+
+    path = write(tmp_path, VALID.replace("target: {request: 0,", "target: {request: 4,"))
+    problems, warnings = check_paths([path])
+    assert problems == [] and load_scenario(path).warnings == tuple(warnings)
+    (warning,) = warnings
+    assert (warning.line, warning.field) == (9, "perturbations[0].target.request")
+    assert "at most 4 run at once" in warning.message and "rid order" in warning.message
+    assert str(warning).startswith(f"{path}:9: perturbations[0].target.request: warning: ")
+    assert check_paths([write(tmp_path, VALID, "ok.yaml")]) == ([], [])
+
+
+def test_cli_validate_prints_the_warning_and_exits_zero(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("target: {request: 0,", "target: {request: 7,"))
+    proc = subprocess.run([sys.executable, "-m", "canaries.cli", "validate", str(path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"{path}:9: perturbations[0].target.request: warning: request 7 can never be picked: "
+        "requests are picked among the running ones in rid order, and at most 4 run at once "
+        "(workload.concurrency 4); use an index below 4",
+        "1 scenarios OK (1 warning(s))"]
+
+
+def test_readme_scenario_example_is_valid(tmp_path: Path) -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    example = text.split("### Writing a new scenario", 1)[1].split("```yaml\n", 1)[1]
+    path = write(tmp_path, example.split("```", 1)[0])
+    assert load_scenario(path).name == "strip-mapping-page1"

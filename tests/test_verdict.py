@@ -12,6 +12,7 @@ import pytest
 from canaries.report import Interruption, append_verdict, read_run, read_verdicts, write_junit
 from canaries.scenario import Disabled, Expect, Scenario, Workload
 from canaries.verdict import PASSING, VERDICTS, Observation, VerdictRecord, judge
+from engine_stub.config import EngineConfig
 from engine_stub.perturb.spec import PerturbationSpec
 
 ENGINE = {"invariant_check": "strict", "kv_canary": "log", "seed": 3}
@@ -19,7 +20,7 @@ ENGINE = {"invariant_check": "strict", "kv_canary": "log", "seed": 3}
 
 def scenario(expect: Expect, *, perturbed: bool = True, engine: dict | None = None) -> Scenario:
     return Scenario(
-        name="s", description="", seed=3, profile="cpu-tiny", engine=dict(engine or ENGINE),
+        name="s", description="", seed=3, profile="cpu-tiny", engine=EngineConfig(**(engine or ENGINE)),
         workload=Workload(),
         perturbations=(PerturbationSpec("strip_swa_mapping"),) if perturbed else (),
         expect=expect, path="s.yaml",
@@ -255,3 +256,27 @@ def test_interruption_that_does_not_partition_the_selection_is_refused(bad: dict
               "not_run": ("b",), **bad}
     with pytest.raises(ValueError, match="Interruption"):
         Interruption(**fields)
+
+
+def test_judge_detected_reason_reads_latency_in_steps() -> None:
+    events = [start(), landed(5), inv("swa.peer_mapped", 7, "FATAL_UNCONTAINABLE"), crash(7)]
+    record = judge(scenario(FIRES_CRASH), obs(events, 3))
+    assert record.reason == "fired 2 steps after the perturbation landed: swa.peer_mapped"
+    assert "+" not in record.reason
+
+
+def test_steps_after_groups_detectors_by_latency_soonest_first() -> None:
+    from canaries.verdict import steps_after
+
+    assert steps_after({"b": 1}) == "fired 1 step after the perturbation landed: b"
+    assert steps_after({"c": 3, "a": 0, "b": 0}) == \
+        "fired 0 steps after the perturbation landed: a, b; 3 steps after: c"
+
+
+def test_judge_rules_run_in_their_documented_order() -> None:
+    from canaries.verdict import RULES
+
+    assert [r.__name__ for r in RULES] == [
+        "run_told_nothing", "clean_control", "not_injected", "silent_detectors",
+        "alarm_before_landing", "disabled_as_declared", "expected_firings", "latency",
+        "crash_expectation"]

@@ -8,7 +8,6 @@ from typing import Any
 
 import yaml
 
-from engine_stub.perturb.kinds import KINDS
 from engine_stub.perturb.perturber import Perturber
 from engine_stub.perturb.spec import parse_perturbations
 
@@ -18,7 +17,9 @@ __all__ = ["load_engine_scenario"]
 def load_engine_scenario(path: str | Path) -> tuple[dict[str, Any], Perturber | None]:
     """(engine knob overrides, perturber or None) from a scenario file (YAML or JSON).
 
-    Reads `seed`, `engine` (flat knobs; a `profile` key is the canary suite's business and must be
+    The engine's process boundary: the knobs are validated once, by `config_from_sources` in
+    `__main__`, and the perturbations here (a SpecError names the first bad field). Reads
+    `seed`, `engine` (flat knobs; a `profile` key is the canary suite's business and must be
     resolved before the engine sees the file) and `perturbations`; other keys are ignored.
     """
     text = Path(path).read_text(encoding="utf-8")
@@ -30,6 +31,6 @@ def load_engine_scenario(path: str | Path) -> tuple[dict[str, Any], Perturber | 
         raise ValueError(f"{path}: engine.profile must be resolved by the canary suite (use canary run)")
     if "seed" in raw:
         engine.setdefault("seed", raw["seed"])
-    specs = parse_perturbations(raw.get("perturbations"), tuple(KINDS))
+    specs = parse_perturbations(raw.get("perturbations"))
     perturber = Perturber(specs, int(engine.get("seed", 0))) if specs else None
     return engine, perturber

@@ -1,4 +1,9 @@
-"""Perturber: evaluates each loaded perturbation's trigger at its hook site and records landings."""
+"""Perturber: evaluates each loaded perturbation's trigger at its hook site and records landings.
+
+The scheduler hands it a site's typed context (perturb/sites.py) and gets back the site's effect:
+the planned one, changed by every kind that landed. Kinds see the engine through a
+`SchedulerView`, built at the first hook call.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine_stub.perturb.kinds import KINDS, KindContext, KindInfo
-from engine_stub.perturb.sites import Site
+from engine_stub.perturb.contract import KindContext, Landing
+from engine_stub.perturb.kinds import KINDS, KindInfo
+from engine_stub.perturb.sites import Site, SiteContext, merge_effects
 from engine_stub.perturb.spec import PerturbationSpec
 
 if TYPE_CHECKING:
+    from engine_stub.perturb.view import SchedulerView
     from engine_stub.scheduler import Scheduler
 
 __all__ = ["Perturber"]
@@ -21,6 +28,7 @@ class _Armed:
     index: int
     spec: PerturbationSpec
     kind: KindInfo
+    params: dict[str, Any]
     rng: random.Random
     eligible_calls: int = 0
     landings: int = 0
@@ -31,10 +39,20 @@ class Perturber:
 
     def __init__(self, specs: list[PerturbationSpec], seed: int) -> None:
         self.armed = [
-            _Armed(i, spec, KINDS[spec.kind], random.Random(seed * 1_000_003 + i)) for i, spec in enumerate(specs)
+            _Armed(i, spec, KINDS[spec.kind], KINDS[spec.kind].resolved_params(spec.params),
+                   random.Random(seed * 1_000_003 + i))
+            for i, spec in enumerate(specs)
         ]
         self.sites = {a.kind.site for a in self.armed}
         self._events_seen: set[str] = set()
+        self._view: SchedulerView | None = None
+
+    def _view_of(self, sched: Scheduler) -> SchedulerView:
+        if self._view is None:
+            from engine_stub.perturb.view import SchedulerView  # torch: only once a hook runs
+
+            self._view = SchedulerView(sched)
+        return self._view
 
     def _note_events(self, sched: Scheduler) -> None:
         stats = sched.stats
@@ -64,22 +82,42 @@ class Perturber:
             return False
         return trig.probability >= 1.0 or armed.rng.random() < trig.probability
 
-    def at(self, site: Site, sched: Scheduler, **ctx: Any) -> dict:
-        """Run every perturbation bound to `site` whose trigger allows it; returns overrides."""
+    def at(self, hook: SiteContext, sched: Scheduler) -> Any:
+        """Run every perturbation bound to `hook`'s site whose trigger allows it; the site's
+        effect (its planned one where nothing changed it; None for a site without effects)."""
+        site = hook.SITE
+        effect = hook.planned()
         if site not in self.sites:
             if site == Site.BEFORE_STEP:
                 self._note_events(sched)
-            return {}
+            return effect
         self._note_events(sched)
-        overrides: dict[str, Any] = {}
+        view = self._view_of(sched)
         for armed in self.armed:
             if armed.kind.site != site or not self._eligible(armed, sched.step_no):
                 continue
-            landing = armed.kind.fn(KindContext(sched, armed.spec, armed.rng, {**ctx, **overrides}))
+            landing = armed.kind.fn(KindContext(view, hook, armed.spec, armed.params, armed.rng))
             if landing is None:
                 continue
+            self._check(armed, hook, landing)
             armed.landings += 1
-            overrides.update(landing.overrides)
-            sched.events.write("perturbation_landed", durable=True, index=armed.index, perturbation=armed.spec.kind,
-                               site=site.value, landing=armed.landings, **landing.digest)
-        return overrides
+            if landing.effect is not None:
+                effect = merge_effects(effect, landing.effect)
+                hook = hook.after(effect)
+            sched.events.write("perturbation_landed", durable=True, index=armed.index,
+                               perturbation=armed.spec.kind, site=site.value,
+                               landing=armed.landings, **landing.digest,
+                               damage=[d.to_dict() for d in landing.damage])
+        return effect
+
+    @staticmethod
+    def _check(armed: _Armed, hook: SiteContext, landing: Landing) -> None:
+        """A kind's landing must carry its site's effect type (a bug in the kind otherwise)."""
+        if not isinstance(landing, Landing):
+            raise TypeError(f"kind {armed.kind.name} returned {type(landing).__name__}, "
+                            "not a Landing or None")
+        if landing.effect is not None and (hook.EFFECT is None
+                                           or not isinstance(landing.effect, hook.EFFECT)):
+            raise TypeError(f"kind {armed.kind.name} at {hook.SITE.value} returned a "
+                            f"{type(landing.effect).__name__}; the site takes "
+                            f"{hook.EFFECT.__name__ if hook.EFFECT else 'no effect'}")

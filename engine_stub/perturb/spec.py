@@ -1,26 +1,44 @@
 """Perturbation specs: the `perturbations:` section of a scenario, parsed and validated.
 
 Both the engine (which applies them) and the canary suite (which validates scenario files) parse
-through here, so the two never disagree about what a trigger or a target means. Errors are
-`SpecError`s carrying the field path (`perturbations[0].trigger.event`) for the caller to map to a
-file and line.
+through here, from the field tables below and each kind's declared params, so the two never
+disagree about what a trigger, a target or a param means. `check_perturbations` reports every
+problem with its field path (`perturbations[0].trigger.event`) for the caller to map to a file
+and line; `parse_perturbations`, the engine's, raises a `SpecError` at the first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PARAM_MINIMUMS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec", "TRIGGER_EVENTS",
-           "parse_perturbations"]
+from engine_stub.fields import (
+    INVALID,
+    Choice,
+    Field,
+    FieldType,
+    Int,
+    IntOrChoice,
+    Number,
+    Report,
+    Table,
+    is_int,
+    raising,
+)
+
+if TYPE_CHECKING:
+    from engine_stub.perturb.kinds import KindInfo
+
+__all__ = ["GROUP_WORDS", "POSITION_WORDS", "REQUEST_WORDS", "TARGET", "TRIGGER", "TRIGGER_EVENTS",
+           "VALUE_WORDS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec",
+           "check_perturbations", "item_schema", "parse_perturbations"]
 
 TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit")
-POSITION_WORDS = ("in_window", "out_of_window", "last")
+POSITION_WORDS = ("in_window", "retained_unread", "out_of_window", "last")
 REQUEST_WORDS = ("random", "all", "cached")
 VALUE_WORDS = ("other_live_slot", "freed_slot", "zero", "minus_one")
 GROUP_WORDS = ("full", "swa")
-# params a kind reads, each an integer with this minimum (evict_inside_window, flip_kv_byte).
-PARAM_MINIMUMS = {"extra_tokens": 1, "byte": 0}
 
 
 class SpecError(ValueError):
@@ -32,41 +50,85 @@ class SpecError(ValueError):
         self.message = message
 
 
+class Positions(FieldType):
+    """A position word, `[lo, hi]` or `{from: lo, to: hi}` (both: lo <= position < hi)."""
+
+    def parse(self, value: Any, path: str, report: Report) -> Any:
+        if isinstance(value, str):
+            return Choice(POSITION_WORDS).parse(value, path, report)
+        bounds = None
+        if isinstance(value, list) and len(value) == 2:
+            bounds = value
+        elif isinstance(value, dict) and set(value) == {"from", "to"}:
+            bounds = [value["from"], value["to"]]
+        if bounds is None or not all(is_int(b) for b in bounds):
+            report(path, f"expected one of {', '.join(POSITION_WORDS)}, [lo, hi] or "
+                         f"{{from: lo, to: hi}}, got {value!r}")
+            return INVALID
+        if not 0 <= bounds[0] < bounds[1]:
+            report(path, f"a range [lo, hi] (lo <= position < hi) needs 0 <= lo < hi, got {value}")
+            return INVALID
+        return (bounds[0], bounds[1])
+
+    def schema(self) -> dict:
+        nonneg = {"type": "integer", "minimum": 0}
+        return {"oneOf": [
+            {"enum": list(POSITION_WORDS)},
+            {"type": "array", "items": nonneg, "minItems": 2, "maxItems": 2},
+            {"type": "object", "additionalProperties": False, "required": ["from", "to"],
+             "properties": {"from": nonneg, "to": nonneg}},
+        ]}
+
+
+TRIGGER = Table((
+    Field("at_step", Int(minimum=0), None, "only at this engine step"),
+    Field("after_step", Int(minimum=0), None, "only after this engine step"),
+    Field("warmup_steps", Int(minimum=0), 0, "not in the first N steps"),
+    Field("event", Choice(TRIGGER_EVENTS), None, "arm on this serving event first"),
+    Field("probability", Number(exclusive_minimum=0, maximum=1), 1.0,
+          "seeded chance per eligible hook call"),
+    Field("interval", Int(minimum=1), 1, "act on every Nth eligible hook call"),
+    Field("times", Int(minimum=1), 1, "at most this many landings"),
+))
+
+TARGET = Table((
+    Field("request", IntOrChoice(Int(minimum=0), Choice(REQUEST_WORDS)), 0,
+          "an index into the running requests in rid order, random (seeded), all, or cached (a "
+          "slot only the radix cache holds)"),
+    Field("positions", Positions(), "last",
+          "in_window (the oldest position the next forward reads), retained_unread (the oldest "
+          "position whose SWA KV is held but never read again), out_of_window, last, or "
+          "[lo, hi] / {from: lo, to: hi} (lo <= position < hi)"),
+    Field("group", Choice(GROUP_WORDS), "full", "the KV group: full or swa"),
+    Field("value", Choice(VALUE_WORDS), "other_live_slot",
+          "what a corrupting kind writes (minus_one: the -1 an empty prefix's last_loc carries)"),
+    Field("count", Int(minimum=1), 1, "how many entries"),
+), aliases=(("index", "request"),))
+
+
 @dataclass(frozen=True)
 class TriggerSpec:
-    """When a perturbation acts. All given conditions must hold at an eligible hook call.
+    """When a perturbation acts (the TRIGGER table): all given conditions must hold at an
+    eligible hook call."""
 
-    at_step: only at this engine step. after_step: only after it. warmup_steps: not before.
-    event: arm on a serving event first (window_cross, first_swa_eviction, request_finish,
-    cache_hit). probability: seeded chance per eligible call. interval: act on every Nth eligible
-    call. times: at most this many landings (default 1).
-    """
-
-    at_step: int | None = None
-    after_step: int | None = None
-    warmup_steps: int = 0
-    event: str | None = None
-    probability: float = 1.0
-    interval: int = 1
-    times: int = 1
+    at_step: int | None = TRIGGER["at_step"].default
+    after_step: int | None = TRIGGER["after_step"].default
+    warmup_steps: int = TRIGGER["warmup_steps"].default
+    event: str | None = TRIGGER["event"].default
+    probability: float = TRIGGER["probability"].default
+    interval: int = TRIGGER["interval"].default
+    times: int = TRIGGER["times"].default
 
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """What a perturbation touches.
+    """What a perturbation touches (the TARGET table; positions: see perturb/targets.py)."""
 
-    request: an index into the running requests in rid order, `random` (seeded), `all`, or
-    `cached` (a slot only the radix cache holds). positions: `in_window` (the oldest position
-    still inside the window: the next to slide out), `out_of_window`, `last`, or `[lo, hi)`.
-    group: `full` or `swa`. value: for corrupting kinds, what to write (`minus_one`: the -1 an
-    empty prefix's last_loc carries, written into a row by mistake). count: how many entries.
-    """
-
-    request: int | str = 0
-    positions: str | tuple[int, int] = "last"
-    group: str = "full"
-    value: str = "other_live_slot"
-    count: int = 1
+    request: int | str = TARGET["request"].default
+    positions: str | tuple[int, int] = TARGET["positions"].default
+    group: str = TARGET["group"].default
+    value: str = TARGET["value"].default
+    count: int = TARGET["count"].default
 
 
 @dataclass(frozen=True)
@@ -74,96 +136,86 @@ class PerturbationSpec:
     kind: str
     trigger: TriggerSpec = field(default_factory=TriggerSpec)
     target: TargetSpec = field(default_factory=TargetSpec)
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # as written; defaults are the kind's
 
 
-def _int(path: str, value: Any, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(path, f"expected an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise SpecError(path, f"must be >= {minimum}, got {value}")
-    return value
+ITEM_KEYS = ("kind", "trigger", "target", "params")
 
 
-def _choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise SpecError(path, f"{value!r} is not one of {', '.join(choices)}")
-    return value
+def _registered() -> Mapping[str, KindInfo]:
+    from engine_stub.perturb.kinds import KINDS
+
+    return KINDS
 
 
-def _mapping(path: str, raw: Any, allowed: tuple[str, ...]) -> dict:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise SpecError(path, f"expected a mapping, got {type(raw).__name__}")
-    for key in raw:
-        if key not in allowed:
-            raise SpecError(f"{path}.{key}", f"unknown key; valid keys: {', '.join(allowed)}")
-    return raw
+def check_perturbations(raw: Any, report: Report, kinds: Mapping[str, KindInfo] | None = None,
+                        path: str = "perturbations") -> list[PerturbationSpec]:
+    """The valid specs of a `perturbations:` list, every problem reported; a bad item is left out.
 
-
-def _trigger(path: str, raw: Any) -> TriggerSpec:
-    raw = _mapping(path, raw, tuple(TriggerSpec.__dataclass_fields__))
-    values: dict[str, Any] = {}
-    for key, minimum in (("at_step", 0), ("after_step", 0), ("warmup_steps", 0), ("interval", 1), ("times", 1)):
-        if key in raw:
-            values[key] = _int(f"{path}.{key}", raw[key], minimum=minimum)
-    if "event" in raw:
-        values["event"] = _choice(f"{path}.event", raw["event"], TRIGGER_EVENTS)
-    if "probability" in raw:
-        p = raw["probability"]
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise SpecError(f"{path}.probability", f"must be a number in (0, 1], got {p!r}")
-        values["probability"] = float(p)
-    return TriggerSpec(**values)
-
-
-def _target(path: str, raw: Any) -> TargetSpec:
-    raw = _mapping(path, raw, tuple(TargetSpec.__dataclass_fields__) + ("index",))
-    values: dict[str, Any] = {}
-    request = raw.get("request", raw.get("index", 0))
-    if isinstance(request, str):
-        values["request"] = _choice(f"{path}.request", request, REQUEST_WORDS)
-    else:
-        values["request"] = _int(f"{path}.request", request, minimum=0)
-    if "positions" in raw:
-        pos = raw["positions"]
-        if isinstance(pos, str):
-            values["positions"] = _choice(f"{path}.positions", pos, POSITION_WORDS)
-        elif isinstance(pos, list) and len(pos) == 2 and all(isinstance(p, int) and not isinstance(p, bool) for p in pos):
-            if not 0 <= pos[0] < pos[1]:
-                raise SpecError(f"{path}.positions", f"a range [lo, hi) needs 0 <= lo < hi, got {pos}")
-            values["positions"] = (pos[0], pos[1])
-        else:
-            raise SpecError(f"{path}.positions", f"expected one of {', '.join(POSITION_WORDS)} or [lo, hi], got {pos!r}")
-    if "group" in raw:
-        values["group"] = _choice(f"{path}.group", raw["group"], GROUP_WORDS)
-    if "value" in raw:
-        values["value"] = _choice(f"{path}.value", raw["value"], VALUE_WORDS)
-    if "count" in raw:
-        values["count"] = _int(f"{path}.count", raw["count"], minimum=1)
-    return TargetSpec(**values)
-
-
-def parse_perturbations(raw: Any, known_kinds: tuple[str, ...], path: str = "perturbations") -> list[PerturbationSpec]:
-    """Parse a scenario's `perturbations:` list; raises SpecError naming the bad field."""
+    `kinds`: the kind registry (default: the registered kinds), whose declared params check
+    each item's `params:`.
+    """
+    kinds = _registered() if kinds is None else kinds
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise SpecError(path, f"expected a list, got {type(raw).__name__}")
+        report(path, f"expected a list, got {type(raw).__name__}")
+        return []
     specs = []
+    bad: list[str] = []  # the fields of the item at hand that were reported
+
+    def note(p: str, message: str, *, key: bool = False) -> None:
+        bad.append(p)
+        report(p, message, key=key)
+
     for i, item in enumerate(raw):
         item_path = f"{path}[{i}]"
-        item = _mapping(item_path, item, ("kind", "trigger", "target", "params"))
+        if item is None:
+            item = {}
+        if not isinstance(item, dict):
+            report(item_path, f"expected a mapping, got {type(item).__name__}")
+            continue
+        bad.clear()
+        for key in item:
+            if key not in ITEM_KEYS:
+                note(f"{item_path}.{key}", f"unknown key {key!r}; valid keys: "
+                                           f"{', '.join(ITEM_KEYS)}", key=True)
+        info = None
         if "kind" not in item:
-            raise SpecError(f"{item_path}.kind", f"missing; valid kinds: {', '.join(known_kinds)}")
-        kind = item["kind"]
-        if kind not in known_kinds:
-            raise SpecError(f"{item_path}.kind", f"unknown kind {kind!r}; valid kinds: {', '.join(known_kinds)}")
-        params = _mapping(f"{item_path}.params", item.get("params"), tuple(PARAM_MINIMUMS))
-        params = {k: _int(f"{item_path}.params.{k}", v, minimum=PARAM_MINIMUMS[k]) for k, v in params.items()}
-        specs.append(
-            PerturbationSpec(kind, _trigger(f"{item_path}.trigger", item.get("trigger")),
-                             _target(f"{item_path}.target", item.get("target")), params)
-        )
+            note(f"{item_path}.kind", f"missing; valid kinds: {', '.join(kinds)}", key=True)
+        elif Choice(tuple(kinds), what="kind").parse(item["kind"], f"{item_path}.kind",
+                                                    note) is not INVALID:
+            info = kinds[item["kind"]]
+        trigger = TRIGGER.parse(item.get("trigger"), f"{item_path}.trigger", note)
+        target = TARGET.parse(item.get("target"), f"{item_path}.target", note)
+        params = (info.params.parse(item.get("params"), f"{item_path}.params", note)
+                  if info is not None else INVALID)
+        if bad or INVALID in (trigger, target, params):
+            continue
+        specs.append(PerturbationSpec(info.name, TriggerSpec(**trigger), TargetSpec(**target),
+                                      dict(params)))
     return specs
+
+
+def parse_perturbations(raw: Any, kinds: Mapping[str, KindInfo] | None = None,
+                        path: str = "perturbations") -> list[PerturbationSpec]:
+    """Parse a `perturbations:` list (the engine's boundary); raises SpecError at the first
+    bad field."""
+    return check_perturbations(raw, raising(SpecError), kinds, path)
+
+
+def item_schema(kinds: Mapping[str, KindInfo] | None = None) -> dict:
+    """JSON Schema of one `perturbations:` item: each kind's params from its declaration."""
+    kinds = _registered() if kinds is None else kinds
+    return {
+        "type": "object", "additionalProperties": False, "required": ["kind"],
+        "properties": {
+            "kind": {"enum": list(kinds)},
+            "trigger": TRIGGER.schema(),
+            "target": TARGET.schema(),
+            "params": {"type": "object"},
+        },
+        "allOf": [{"if": {"properties": {"kind": {"const": name}}, "required": ["kind"]},
+                   "then": {"properties": {"params": info.params.schema()}}}
+                  for name, info in kinds.items()],
+    }

@@ -1,0 +1,202 @@
+"""`canary run`: run scenarios, report verdicts; selection by `-k` and `--shard`.
+
+Exits 0 when every verdict passed, 1 when any failed, 2 on a usage or validation error, 130 on
+Ctrl-C and 143 on SIGTERM (128 + the signal). An interrupted run stops every engine, then writes
+its reports anyway: every selected scenario is listed (running ones INCONCLUSIVE "interrupted",
+the others NOT_RUN) and each report says the run was interrupted; further signals are ignored
+until that is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from canaries.commands.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    load_scenarios,
+)
+
+__all__ = ["add_parser", "match_k", "parse_shard", "run", "select"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    run_ = sub.add_parser("run", help="run scenarios and report verdicts")
+    run_.add_argument("paths", nargs="*", metavar="PATHS",
+                      help="scenario files or folders (default: every scenario in configs/scenarios)")
+    run_.add_argument("-k", dest="k", metavar="EXPR",
+                      help="select by name: case-insensitive substrings with and/or/not")
+    run_.add_argument("--runtime", default="local", help="local (default) | docker")
+    run_.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                      help="override every scenario's engine.device")
+    run_.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")
+    run_.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
+    run_.add_argument("--shard", metavar="I/N", help="run every Nth scenario starting at I-1")
+    run_.add_argument("--start", choices=("auto", "warm", "fresh"), default=None,
+                      help="local engines: forked from a warm parent, or fresh processes (default "
+                           "auto: warm unless the engine is on CUDA; env CANARY_ENGINE_START)")
+    run_.set_defaults(func=run)
+
+
+# ---- selection -----------------------------------------------------------------------------------
+
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
+def match_k(expr: str, name: str) -> bool:
+    """pytest-style `-k`: case-insensitive substrings joined by `and`, `or`, `not`, parentheses."""
+    tokens = _TOKEN.findall(expr)
+    if not tokens:
+        return True
+    pos = 0
+    low = name.lower()
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str:
+        nonlocal pos
+        if pos >= len(tokens):
+            raise UsageError(f"-k {expr!r}: unexpected end of expression")
+        pos += 1
+        return tokens[pos - 1]
+
+    def or_expr() -> bool:
+        value = and_expr()
+        while peek() == "or":
+            take()
+            value = and_expr() or value
+        return value
+
+    def and_expr() -> bool:
+        value = not_expr()
+        while peek() == "and":
+            take()
+            value = not_expr() and value
+        return value
+
+    def not_expr() -> bool:
+        if peek() == "not":
+            take()
+            return not not_expr()
+        tok = take()
+        if tok == "(":
+            value = or_expr()
+            if take() != ")":
+                raise UsageError(f"-k {expr!r}: missing ')'")
+            return value
+        if tok in (")", "and", "or"):
+            raise UsageError(f"-k {expr!r}: unexpected {tok!r}")
+        return tok.lower() in low
+
+    result = or_expr()
+    if pos != len(tokens):
+        raise UsageError(f"-k {expr!r}: unexpected {tokens[pos]!r}")
+    return result
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
+    if not m:
+        raise UsageError(f"--shard {text!r}: expected I/N, e.g. 1/4")
+    i, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 1 <= i <= n:
+        raise UsageError(f"--shard {text!r}: need 1 <= I <= N")
+    return i, n
+
+
+def select(scenarios: Sequence[Any], k: str | None = None, shard: str | None = None) -> list:
+    """Sorted by name, filtered by `-k`, then every Nth from I-1 for `--shard I/N`."""
+    chosen = sorted(scenarios, key=lambda s: s.name)
+    if k:
+        chosen = [s for s in chosen if match_k(k, s.name)]
+    if shard:
+        i, n = parse_shard(shard)
+        chosen = chosen[i - 1 :: n]
+    return chosen
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def _summary(records: list) -> None:
+    if not records:
+        return
+    width = max(len(r.scenario) for r in records)
+    print(f"\n{'scenario':<{width}}  {'verdict':<20}  {'time':>6}  reason")
+    for r in records:
+        reason = (r.reason or "").replace("\n", " ")
+        reason = reason if len(reason) <= 90 else reason[:87] + "..."
+        dur = r.extra.get("duration_s")
+        dur_text = f"{dur:.1f}s" if isinstance(dur, (int, float)) else "-"
+        print(f"{r.scenario:<{width}}  {r.verdict:<20}  {dur_text:>6}  {reason}")
+    counts = Counter(r.verdict for r in records)
+    passed = sum(1 for r in records if r.passed)
+    print(f"\n{passed}/{len(records)} passed; " + ", ".join(f"{v}: {c}" for v, c in
+                                                         sorted(counts.items())))
+
+
+def run(args: argparse.Namespace) -> int:
+    from canaries.runner import RunInterrupted, cancel_all, default_report_dir, new_run_id, run_many
+    from canaries.runtime import RUNTIMES
+
+    if args.runtime not in RUNTIMES:
+        raise UsageError(f"--runtime {args.runtime!r}: valid runtimes: {', '.join(RUNTIMES)}")
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    if args.start is not None:
+        os.environ["CANARY_ENGINE_START"] = args.start  # read by every LocalRuntime of this run
+    if args.runtime == "local" and os.environ.get("CANARY_ENGINE_START", "auto") != "fresh":
+        from canaries.runtime.warm import prestart
+
+        prestart()  # the fork server imports torch while the scenarios load
+    scenarios = select(load_scenarios(args.paths), args.k, args.shard)
+    if not scenarios:
+        raise UsageError("no scenario matches the selection")
+    if args.runtime == "docker":
+        from canaries.runtime.docker_image import DockerUnavailable, get_client
+
+        try:
+            get_client().close()  # fail now, not once per scenario
+        except DockerUnavailable as exc:
+            raise UsageError(str(exc)) from None
+    report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
+    print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
+          f"report {report_dir}", flush=True)
+    from canaries.runtime.safety import SignalLatch, install_sigterm_handler
+
+    install_sigterm_handler()  # from the main thread: the engines start in worker threads
+    t0 = time.monotonic()
+    try:
+        # Signals stay latched from the run through its reports to the way out: once
+        # interrupted, a late signal must not kill the process or print a traceback. One that
+        # comes after run_many judged every scenario changes nothing: the reports are complete.
+        with SignalLatch() as latch:
+            try:
+                records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
+                                   device=args.device, progress=True, latch=latch)
+            except RunInterrupted as exc:  # the reports are written, and say so
+                latch.ignore_on_exit()
+                _summary(exc.records)
+                print(f"\ncanary: {exc.interruption.summary()}; every engine stopped; report "
+                      f"in {report_dir}", file=sys.stderr, flush=True)
+                return 128 + exc.signum if exc.signum is not None else EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        cancel_all()
+        print(f"\ncanary: interrupted; every engine stopped; partial report in {report_dir}",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    _summary(records)
+    print(f"\nreport: {report_dir}  ({time.monotonic() - t0:.1f}s)")
+    return EXIT_OK if all(r.passed for r in records) else EXIT_FAILED

@@ -1,0 +1,61 @@
+"""What a run left behind (`Observation`) and what the suite concluded (`VerdictRecord`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["EXIT_CANARY", "EXIT_CLEAN", "EXIT_ERROR", "EXIT_INVARIANT", "Observation",
+           "VerdictRecord", "detector_of"]
+
+# Engine exit codes.
+EXIT_CLEAN, EXIT_ERROR, EXIT_INVARIANT, EXIT_CANARY = 0, 1, 3, 4
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a run left behind.
+
+    events: the engine's event log (dicts). responses: one dict per request, with `rid` and
+    `status` (HTTP status; absent means 200) and optionally `error`. exit_code: the engine's exit
+    status (negative: killed by a signal; None: still running or unknown). oracle_mismatches: rids
+    whose output differed from the no-cache oracle (clean scenarios only). error: a harness error.
+    """
+
+    events: list[dict]
+    responses: list[dict]
+    exit_code: int | None
+    timed_out: bool
+    oracle_mismatches: list[str]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class VerdictRecord:
+    scenario: str
+    verdict: str
+    passed: bool
+    reason: str
+    signature: str
+    landed: list[dict]
+    firings: list[dict]
+    latency: dict[str, int | None]
+    engine_outcome: str
+    ledgers: dict | None
+    seed: int
+    engine: dict
+    expect: dict
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def detector_of(event: dict) -> str | None:
+    """The detector an event reports, or None if it reports none."""
+    kind = event.get("kind")
+    if kind == "invariant_firing":
+        return str(event.get("invariant"))
+    if kind == "canary_violation":
+        return f"kv_canary.{event.get('reason')}"
+    return None
