@@ -358,7 +358,7 @@ def _cause(signum: int | None, error: BaseException | None) -> str:
 
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
              runtime: str = "local", device: str | None = None, progress: bool = True,
-             latch: SignalLatch | None = None) -> list:
+             latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
     at the end. Returns one record per scenario, in order.
 
@@ -434,7 +434,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         if len(records) == n and error is None and not latch.tripped and not _CANCEL.is_set():
             pool.shutdown(wait=True)
             ordered = [records[i] for i in range(n)]
-            _finish(report_dir, ordered, durations)
+            _finish(report_dir, ordered, durations, baseline=baseline)
             return ordered
 
         # Interrupted: start nothing more, stop every engine, let the running scenarios record
@@ -475,7 +475,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
                          if r.scenario not in cut_off and r.scenario not in not_run),
             interrupted=tuple(cut_off), not_run=tuple(not_run))
         append(interruption.to_dict(), tolerant=True)
-        _finish(report_dir, ordered, durations, interruption)
+        _finish(report_dir, ordered, durations, interruption, baseline=baseline)
     if error is not None and not isinstance(error, KeyboardInterrupt):
         raise error
     raise RunInterrupted(latch.signum if latch.signum is not None else
@@ -483,7 +483,8 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
                          ordered, interruption) from error
 
 
-def _finish(report_dir: Path, records: list, durations: dict, interruption: Any = None) -> None:
+def _finish(report_dir: Path, records: list, durations: dict, interruption: Any = None,
+            baseline: str | os.PathLike | None = None) -> None:
     """The end-of-run files. A failure here is reported, never allowed to lose verdicts.jsonl."""
     from canaries.report import write_junit, write_kill_matrix
     from canaries.scenario import known_detectors
@@ -494,3 +495,15 @@ def _finish(report_dir: Path, records: list, durations: dict, interruption: Any 
         write_kill_matrix(records, report_dir, known_detectors(), interruption)
     except Exception as exc:  # noqa: BLE001 - the verdicts are already on disk
         print(f"canary: could not write the run summary files in {report_dir}: {exc}", file=sys.stderr)
+    # On its own: a page that cannot be drawn must not cost the CI files above.
+    try:
+        from canaries.report.html import write_html
+
+        diff = None
+        if baseline is not None:
+            from canaries.report.diff import diff_runs
+
+            diff = diff_runs(Path(baseline), report_dir)
+        write_html(report_dir, diff=diff)
+    except Exception as exc:  # noqa: BLE001 - the verdicts are already on disk
+        print(f"canary: could not write {report_dir / 'index.html'}: {exc}", file=sys.stderr)

@@ -60,3 +60,14 @@ def test_validate_of_an_invalid_file_imports_no_torch(tmp_path: Path) -> None:
                    "expect: {fires: [kv_canary.verify_real_kv_hash]}\n")
     result = _run("validate", str(bad))
     assert result == {"code": 1, "loaded": []}, result
+
+
+def test_diff_and_report_import_no_torch(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    line = {"scenario": "a", "verdict": "CLEAN", "passed": True, "reason": "ok",
+            "signature": "CLEAN||control", "landed": [], "firings": [], "latency": {}, "extra": {}}
+    (run / "verdicts.jsonl").write_text(json.dumps(line) + "\n")
+    assert _run("diff", str(run), str(run)) == {"code": 0, "loaded": []}
+    assert _run("report", str(run)) == {"code": 0, "loaded": []}
+    assert (run / "index.html").is_file()

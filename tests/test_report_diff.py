@@ -244,3 +244,26 @@ def test_module_entry_point(tmp_path):
 def test_result_is_a_value():
     d = DiffResult(base="b", run="r", latency_threshold_steps=2)
     assert not d.regressed and not d.changed and d.to_dict()["new_failures"] == []
+
+
+def test_canary_diff_command_exits_1_on_a_regression_and_writes_the_html_section(tmp_path, capsys):
+    from canaries.cli import main as canary
+
+    base = report(tmp_path / "base", *BASE)
+    broken = (record("a", "MISSED", passed=False, detectors=()), *BASE[1:])
+    run = report(tmp_path / "run", *broken)
+    assert canary(["diff", str(base), str(base)]) == 0
+    assert canary(["diff", str(base), str(run), "--html"]) == 1
+    out = capsys.readouterr().out
+    assert "a: DETECTED -> MISSED" in out
+    page = (run / "index.html").read_text()
+    assert 'data-regressed="true"' in page
+    assert canary(["diff", str(base), str(tmp_path / "nowhere")]) == 2
+
+
+def test_canary_report_command_writes_index_html(tmp_path):
+    from canaries.cli import main as canary
+
+    run = report(tmp_path / "run", *BASE)
+    assert canary(["report", str(run)]) == 0
+    assert "<html" in (run / "index.html").read_text()

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")
     run_.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     run_.add_argument("--shard", metavar="I/N", help="run every Nth scenario starting at I-1")
+    run_.add_argument("--baseline", metavar="REPORT_DIR",
+                      help="an earlier run's report: index.html gets a diff against it, and the "
+                           "changes are printed (exit 1 on a regression, as for any failure)")
     run_.add_argument("--start", choices=("auto", "warm", "fresh"), default=None,
                       help="local engines: forked from a warm parent, or fresh processes (default "
                            "auto: warm unless the engine is on CUDA; env CANARY_ENGINE_START)")
@@ -161,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         from canaries.runtime.warm import prestart
 
         prestart()  # the fork server imports torch while the scenarios load
+    if args.baseline is not None and not (Path(args.baseline) / "verdicts.jsonl").is_file():
+        raise UsageError(f"--baseline {args.baseline}: not a report directory (no verdicts.jsonl)")
     scenarios = select(load_scenarios(args.paths), args.k, args.shard)
     if not scenarios:
         raise UsageError("no scenario matches the selection")
@@ -185,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         with SignalLatch() as latch:
             try:
                 records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
-                                   device=args.device, progress=True, latch=latch)
+                                   device=args.device, progress=True, latch=latch,
+                                   baseline=args.baseline)
             except RunInterrupted as exc:  # the reports are written, and say so
                 latch.ignore_on_exit()
                 _summary(exc.records)
@@ -198,5 +204,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     _summary(records)
-    print(f"\nreport: {report_dir}  ({time.monotonic() - t0:.1f}s)")
-    return EXIT_OK if all(r.passed for r in records) else EXIT_FAILED
+    regressed = False
+    if args.baseline is not None:
+        from canaries.report.diff import diff_runs
+
+        diff = diff_runs(Path(args.baseline), report_dir)
+        print("\n" + diff.to_text())
+        regressed = diff.regressed
+    print(f"\nreport: {report_dir}  ({time.monotonic() - t0:.1f}s); open {report_dir / 'index.html'}")
+    return EXIT_OK if all(r.passed for r in records) and not regressed else EXIT_FAILED

@@ -1,4 +1,5 @@
-"""Run reports: the per-scenario JSONL record, the JUnit XML for CI, and the kill matrix."""
+"""Run reports: the per-scenario JSONL record, the JUnit XML for CI, the kill matrix, the HTML
+page and the diff of two runs (`canaries.report.html`, `canaries.report.diff`: imported on use)."""
 
 from canaries.report.atomic import write_atomic
 from canaries.report.interruption import Interruption
