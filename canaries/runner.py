@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -224,10 +225,13 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
                  device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
-                 drive_deadline_s: float | None = None):
+                 drive_deadline_s: float | None = None, engine_root: str | os.PathLike | None = None):
     """Run one scenario into `run_dir`; its VerdictRecord (never raises for an engine failure).
 
     `on_started(rt)` is called once the engine serves (tests use it to kill the engine).
+    `engine_root`: a directory holding the `engine_stub/` to run instead of this checkout's
+    (a mutant, another commit). The run dir keeps a copy of the scenario file as it ran
+    (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
     from canaries.runtime import get_runtime
     from canaries.verdict import Observation, judge
@@ -238,6 +242,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     spec = spec_for(scenario, device)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2, default=str) + "\n", encoding="utf-8")
+    with contextlib.suppress(OSError):
+        shutil.copyfile(scenario.path, run_dir / "scenario.yaml")
     workload = scenario.workload
     seed = scenario.seed
     prompts = make_prompts(workload, seed)
@@ -245,7 +251,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     error: str | None = None
     timed_out = False
     exit_code: int | None = None
-    rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S)
+    rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S, engine_root=engine_root)
     phases: dict[str, float] = {}
     oracle = _Oracle(scenario, spec, prompts, run_dir / "events.jsonl")
 
@@ -303,7 +309,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         record = _interrupted(record)
     duration = round(time.monotonic() - started, 3)
     record.extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
-                         "start_mode": getattr(rt, "start_mode", None),
+                         "start_mode": getattr(rt, "start_mode", None), "device": device,
                          "exit_code": exit_code, "phases_s": phases,
                          "repro": f"canary run {scenario.path} --runtime {runtime}"
                                   + (f" --device {device}" if device else "")})
@@ -358,7 +364,8 @@ def _cause(signum: int | None, error: BaseException | None) -> str:
 
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
              runtime: str = "local", device: str | None = None, progress: bool = True,
-             latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None) -> list:
+             latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None,
+             engine_root: str | os.PathLike | None = None) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
     at the end. Returns one record per scenario, in order.
 
@@ -387,7 +394,8 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         if _CANCEL.is_set():  # taken off the queue after the run stopped: never started
             return i, None, 0.0
         t0 = time.monotonic()
-        record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device)
+        record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
+                              engine_root=engine_root)
         return i, record, time.monotonic() - t0
 
     def append(record: Any, *, tolerant: bool) -> None:

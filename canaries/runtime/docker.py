@@ -62,6 +62,7 @@ RUN_LABEL = "serving-canary.run"      # the run directory's name
 OWNER_LABEL = "serving-canary.owner"  # "<host>:<pid>" of the harness that started it
 CONTAINER_PORT = 30000
 RUN_DIR_MOUNT = "/run-dir"
+ENGINE_SRC_MOUNT = "/engine-src"  # where an engine_root copy of engine_stub/ is mounted
 SPEC_MOUNT_DIR = "/scenario"
 # Engine knobs the runtime sets itself; the others pass through from the host's environment.
 _OWN_KNOBS = {"ENGINE_STUB_HOST", "ENGINE_STUB_PORT", "ENGINE_STUB_EVENT_LOG",
@@ -153,8 +154,11 @@ class DockerRuntime:
     def __init__(self, ready_timeout: float = 30.0, *, image: str | None = None,
                  dockerfile: str = DOCKERFILE, mem_limit: str = "2g", cpus: float = 1.0,
                  pids_limit: int = 512, user: str | None = None, gpus: bool = False,
-                 network: str | None = None) -> None:
+                 network: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
         self.ready_timeout = ready_timeout
+        # A directory holding another engine_stub/ (a mutant, a commit): bind-mounted read-only
+        # over the image's on PYTHONPATH, so no image is built per copy.
+        self.engine_root = Path(engine_root).resolve() if engine_root is not None else None
         self.image = image
         self.dockerfile = dockerfile
         self.mem_limit = mem_limit
@@ -235,6 +239,13 @@ class DockerRuntime:
                if k.startswith("ENGINE_STUB_") and k not in _OWN_KNOBS}
         threads = str(max(1, math.ceil(self.cpus)))
         env.update({"PYTHONUNBUFFERED": "1", "HOME": "/tmp", "OMP_NUM_THREADS": threads})
+        if self.engine_root is not None:
+            source = self.engine_root / "engine_stub"
+            if not source.is_dir():
+                raise RuntimeError(f"engine_root {self.engine_root} holds no engine_stub/ package")
+            volumes[str(source)] = {"bind": f"{ENGINE_SRC_MOUNT}/engine_stub", "mode": "ro"}
+            env["PYTHONPATH"] = ENGINE_SRC_MOUNT
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
         kwargs: dict[str, Any] = {
             "image": self.image, "command": cmd, "detach": True, "init": True,
             "name": f"serving-canary-{_slug(run_dir.name)}-{secrets.token_hex(3)}",

@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from canaries.runtime import safety
-from canaries.runtime.warm import START_MODES, WarmProcess, fork_server, start_mode
+from canaries.runtime.warm import (
+    START_MODES,
+    WarmProcess,
+    engine_pythonpath,
+    fork_server,
+    start_mode,
+)
 from engine_stub.__main__ import READY_FD_ENV
 
 START_ENV = "CANARY_ENGINE_START"
@@ -97,9 +103,11 @@ class LocalRuntime:
     name = "local"
 
     def __init__(self, ready_timeout: float = 30.0, python: str | None = None,
-                 start: str | None = None) -> None:
+                 start: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
         self.ready_timeout = ready_timeout
         self.python = python or sys.executable
+        # A directory holding the engine_stub/ to run (a mutant, a commit); None: this checkout.
+        self.engine_root = engine_root
         # auto | warm | fresh (see canaries.runtime.warm); the mode that ran is `start_mode`.
         self.requested_start = start or os.environ.get(START_ENV) or "auto"
         if self.requested_start not in START_MODES:
@@ -126,26 +134,26 @@ class LocalRuntime:
         """
         if self.proc is not None:
             raise RuntimeError("this runtime already started an engine")
-        run_dir = Path(run_dir)
+        # Absolute: the engine runs in a directory of its own (see below).
+        run_dir = Path(run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.log_path = run_dir / "engine.log"
         self.event_log = run_dir / "events.jsonl"
         cmd = [self.python, "-m", "engine_stub"]
         if spec_path is not None:
-            cmd += ["--scenario", str(spec_path)]
+            cmd += ["--scenario", str(Path(spec_path).resolve())]
         cmd += ["--port", "0", "--event-log", str(self.event_log), *extra_flags]
         self.command = cmd
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         # A tiny model: intra-op threads only fight the other engines for the cores.
         env.setdefault("OMP_NUM_THREADS", "1")
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         safety.install_sigterm_handler()
         self.start_mode = start_mode(self.requested_start, _spec_device(spec_path, extra_flags))
         if self.start_mode == "warm":
-            self.proc = fork_server(self.python).spawn(cmd[3:], env, self.log_path)
+            self.proc = fork_server(self.python, self.engine_root).spawn(cmd[3:], env, self.log_path)
             safety.register(self)
             ready = lambda: self.proc.wait_ready(self.ready_timeout)  # noqa: E731
         else:
@@ -153,9 +161,11 @@ class LocalRuntime:
             env[READY_FD_ENV] = str(ready_w)
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
             try:
+                # cwd: `python -m` puts the working directory first on sys.path, where a
+                # checkout's engine_stub/ would shadow the one `engine_root` names.
                 self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                             pass_fds=(ready_w,))
+                                             pass_fds=(ready_w,), cwd=run_dir)
             finally:
                 os.close(ready_w)
             safety.register(self)

@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ForkServer", "WarmProcess", "fork_server", "prestart", "start_mode", "START_MODES"]
+__all__ = ["ForkServer", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server",
+           "prestart", "start_mode"]
 
 START_MODES = ("auto", "warm", "fresh")
 SERVER_READY_TIMEOUT_S = 60.0
@@ -127,19 +128,20 @@ class WarmProcess:
 class ForkServer:
     """The harness's handle on one running fork server."""
 
-    def __init__(self, python: str | None = None) -> None:
+    def __init__(self, python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
         self.python = python or sys.executable
+        self.engine_root = str(engine_root) if engine_root is not None else None
         self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
         self.socket_path = str(self._dir / "sock")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_repo_root()), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         self.log_path = self._dir / "forkserver.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "engine_stub.forkserver", self.socket_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                start_new_session=True,
+                start_new_session=True, cwd=self._dir,  # see LocalRuntime.start: no shadowing
             )
         line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S)
         if line.strip() != "engine_stub forkserver ready":
@@ -196,43 +198,65 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def engine_pythonpath(engine_root: str | os.PathLike | None, existing: str | None) -> str:
+    """PYTHONPATH for an engine process: `engine_root` (a directory holding another copy of
+    `engine_stub/`, e.g. a mutated one) first, then this checkout, then what was there."""
+    parts = [str(engine_root)] if engine_root is not None else []
+    parts += [str(_repo_root()), *(existing.split(os.pathsep) if existing else [])]
+    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
+
+
 def _readline(stream, timeout: float) -> str:
     readable, _, _ = select.select([stream], [], [], timeout)
     return stream.readline().decode("utf-8", "replace") if readable else ""
 
 
-_SERVER: ForkServer | None = None
+_SERVERS: dict[tuple[str, str | None], ForkServer] = {}
 _SERVER_LOCK = threading.Lock()
 
 
-def fork_server(python: str | None = None) -> ForkServer:
-    """This process's fork server for `python`, started on first use (and again if it died)."""
-    global _SERVER
+def _key(python: str | None, engine_root: str | os.PathLike | None) -> tuple[str, str | None]:
+    return python or sys.executable, str(engine_root) if engine_root is not None else None
+
+
+def fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> ForkServer:
+    """This process's fork server for `python` and the engine sources under `engine_root`
+    (None: this checkout's), started on first use (and again if it died)."""
+    key = _key(python, engine_root)
     with _SERVER_LOCK:
-        want = python or sys.executable
-        if _SERVER is not None and (not _SERVER.alive or _SERVER.python != want):
-            _SERVER.close()
-            _SERVER = None
-        if _SERVER is None:
-            _SERVER = ForkServer(want)
-        return _SERVER
+        server = _SERVERS.get(key)
+        if server is not None and not server.alive:
+            server.close()
+            server = None
+        if server is None:
+            server = _SERVERS[key] = ForkServer(*key)
+        return server
 
 
-def prestart(python: str | None = None) -> None:
-    """Start this process's fork server in the background (its imports overlap other work).
+def close_fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
+    """Stop the fork server of (`python`, `engine_root`), if one runs (e.g. a mutant's, when
+    its scenarios are done)."""
+    with _SERVER_LOCK:
+        server = _SERVERS.pop(_key(python, engine_root), None)
+    if server is not None:
+        server.close()
+
+
+def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
+    """Start a fork server in the background (its imports overlap other work).
 
     A failure here is left for the first `fork_server()` call to raise."""
     def start() -> None:
         with contextlib.suppress(Exception):
-            fork_server(python)
+            fork_server(python, engine_root)
 
     threading.Thread(target=start, name="canary-forkserver-start", daemon=True).start()
 
 
 @atexit.register
-def _close_server() -> None:
-    global _SERVER
+def _close_servers() -> None:
     with _SERVER_LOCK:
-        if _SERVER is not None:
-            _SERVER.close()
-            _SERVER = None
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for server in servers:
+        server.close()
