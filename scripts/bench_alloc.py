@@ -4,7 +4,10 @@
 
 (a) `free_swa` on page_size 1, at levels OFF and STRICT, against the bare work it has to do: a
     gather of the peers from a mapping, an `index_fill_` of the mapping to 0, an `index_fill_` of
-    an allocated bitmap and an append to a free list, on tensors of the same sizes.
+    an allocated bitmap and an append to a free list, on tensors of the same sizes; at STRICT
+    also the one async assert PR #36723 puts there (`swa.peer_mapped`: every peer > 0), which
+    SGLang's free_swa makes too. The ratio against the bare ops without that assert is printed
+    as well ("no check").
 (b) alloc+free throughput through the SWA allocator on page sizes 1 and 16.
 
 Each free_swa variant runs in its own loop, alternated call by call with the bare ops it is
@@ -64,6 +67,21 @@ class _BareFreeSwa:
     def run_deferred(self, idx: torch.Tensor) -> None:
         """What free_swa must do inside a free group: resolve the peers, clear, queue them."""
         peers = self.mapping[idx]
+        self.mapping.index_fill_(0, idx, 0)
+        self.free_list.append(peers)
+
+    def run_checked(self, idx: torch.Tensor) -> None:
+        """`run` plus the STRICT check free_swa must make (SGLang's async assert, as is)."""
+        peers = self.mapping[idx]
+        torch._assert_async((peers > 0).all(), "swa.peer_mapped")
+        self.mapping.index_fill_(0, idx, 0)
+        self.allocated.index_fill_(0, peers, False)
+        self.free_list.append(peers)
+
+    def run_deferred_checked(self, idx: torch.Tensor) -> None:
+        """`run_deferred` plus the STRICT check free_swa must make."""
+        peers = self.mapping[idx]
+        torch._assert_async((peers > 0).all(), "swa.peer_mapped")
         self.mapping.index_fill_(0, idx, 0)
         self.free_list.append(peers)
 
@@ -130,10 +148,19 @@ def bench_free_swa(iters: int, batch: int, device: torch.device) -> dict[str, fl
     out: dict[str, float] = {}
     for level in LEVELS:
         name = level.name
-        out[f"bare@{name}"], out[name] = _paired(iters, device, bare.run, _FreeSwa(batch, device),
+        strict = level == InvariantCheckLevel.STRICT
+        run = bare.run_checked if strict else bare.run
+        run_deferred = bare.run_deferred_checked if strict else bare.run_deferred
+        out[f"bare@{name}"], out[name] = _paired(iters, device, run, _FreeSwa(batch, device),
                                                  name, bare)
         out[f"bare_deferred@{name}"], out[f"grouped_{name}"] = _paired(
-            iters, device, bare.run_deferred, _FreeSwa(batch, device, grouped=True), name, bare)
+            iters, device, run_deferred, _FreeSwa(batch, device, grouped=True), name, bare)
+        if strict:
+            # The same case against the bare ops without the check, for comparison.
+            out[f"bare_unchecked@{name}"], out[f"{name}_vs_unchecked"] = _paired(
+                iters, device, bare.run, _FreeSwa(batch, device), name, bare)
+            out[f"bare_deferred_unchecked@{name}"], out[f"grouped_{name}_vs_unchecked"] = _paired(
+                iters, device, bare.run_deferred, _FreeSwa(batch, device, grouped=True), name, bare)
     return out
 
 
@@ -185,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     throughput = bench_throughput(args.iters, args.batch, device)
     ratios = {lv.name: free_swa[lv.name] / free_swa[f"bare@{lv.name}"] for lv in LEVELS}
     grouped = {lv.name: free_swa[f"grouped_{lv.name}"] / free_swa[f"bare_deferred@{lv.name}"] for lv in LEVELS}
+    unchecked = {
+        "free": free_swa["STRICT_vs_unchecked"] / free_swa["bare_unchecked@STRICT"],
+        "grouped": free_swa["grouped_STRICT_vs_unchecked"] / free_swa["bare_deferred_unchecked@STRICT"],
+    }
 
     head = f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}"
     print(f"{head}, median us/call")
@@ -192,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare@' + lv.name] * 1e6:>10.1f}" for lv in LEVELS))
     print(f"{'free_swa':<16}" + "".join(f"{free_swa[level.name] * 1e6:>10.1f}" for level in LEVELS))
     print(f"{'free_swa/bare':<16}" + "".join(f"{ratios[level.name]:>9.2f}x" for level in LEVELS))
+    print(f"{'  (no check)':<16}{'':>10}{unchecked['free']:>9.2f}x   (STRICT vs bare ops without the assert)")
     print()
     print("inside a free group (the engine's path: the release is batched at free_group_end)")
     print(f"{'bare deferred':<16}" + "".join(f"{free_swa['bare_deferred@' + lv.name] * 1e6:>10.1f}" for lv in LEVELS))
     print(f"{'free_swa':<16}" + "".join(f"{free_swa['grouped_' + level.name] * 1e6:>10.1f}" for level in LEVELS))
     print(f"{'free_swa/bare':<16}" + "".join(f"{grouped[level.name]:>9.2f}x" for level in LEVELS))
+    print(f"{'  (no check)':<16}{'':>10}{unchecked['grouped']:>9.2f}x   (STRICT vs bare ops without the assert)")
     print()
     print(f"alloc+free through the SWA allocator, batch {args.batch} (whole pages), level OFF")
     print(f"{'page_size':<16}{'pairs/s':>10}{'tokens/s':>12}")
@@ -213,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 "free_swa_us": {k.lower(): v * 1e6 for k, v in free_swa.items()},
                 "free_swa_over_bare": {level.name.lower(): ratios[level.name] for level in LEVELS},
                 "grouped_free_swa_over_bare": {level.name.lower(): grouped[level.name] for level in LEVELS},
+                "strict_over_bare_without_check": unchecked,
                 "alloc_free_pairs_per_s": {str(page): rate for page, rate in throughput.items()},
             }
         )

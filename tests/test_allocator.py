@@ -480,3 +480,81 @@ class TestNeedSort:
         everything = _drain_pool(allocator)
         assert everything.numel() == allocator.size
         _assert_unique(everything)
+
+
+def _reference_extend(pages: list[int], prefix_lens, seq_lens, last_loc: list[int], page: int) -> list[int]:
+    """Slot of every extended position, one token at a time (the per-token definition)."""
+    out, cursor = [], 0
+    for prefix, seq, last in zip(prefix_lens, seq_lens, last_loc, strict=True):
+        first_new_page = -(-prefix // page)
+        for pos in range(prefix, seq):
+            if pos // page < first_new_page:
+                out.append((last // page) * page + pos % page)  # last_loc's page, as is
+            else:
+                out.append(pages[cursor + pos // page - first_new_page] * page + pos % page)
+        cursor += -(-seq // page) - first_new_page
+    return out
+
+
+class TestVectorisedPagedPlacement:
+    """alloc_extend/alloc_decode place tokens with a few tensor ops; they must agree with the
+    per-token definition on every shape, including a last_loc that is not where it should be."""
+
+    @pytest.mark.parametrize("page_size", [3, 4])
+    def test_alloc_extend_matches_the_per_token_definition(self, page_size: int) -> None:
+        rng = __import__("random").Random(page_size)
+        for _ in range(200):
+            allocator = create_sub_allocator(64 * page_size, page_size)
+            allocator.alloc(rng.randrange(0, 8) * page_size)  # the free list no longer starts at 1
+            reqs = rng.randint(1, 4)
+            prefix_lens = [rng.choice([0, rng.randint(0, 3 * page_size)]) for _ in range(reqs)]
+            seq_lens = [p + rng.randint(0, 3 * page_size) for p in prefix_lens]
+            last_loc = [-1 if p == 0 else rng.randint(-2, 70 * page_size) for p in prefix_lens]
+            expected_pages = allocator.free_pages[: num_new_pages(prefix_lens, seq_lens, page_size)].tolist()
+            out = allocator.alloc_extend(prefix_lens, seq_lens, torch.tensor(last_loc),
+                                         sum(seq_lens) - sum(prefix_lens))
+            assert out.tolist() == _reference_extend(expected_pages, prefix_lens, seq_lens, last_loc, page_size)
+
+    @pytest.mark.parametrize("page_size", [3, 4])
+    def test_alloc_decode_matches_the_per_token_definition(self, page_size: int) -> None:
+        rng = __import__("random").Random(page_size)
+        for _ in range(200):
+            allocator = create_sub_allocator(64 * page_size, page_size)
+            seq_lens = [rng.randint(1, 4 * page_size) for _ in range(rng.randint(1, 5))]
+            last_loc = [rng.randint(-2, 70 * page_size) for _ in seq_lens]
+            expected_pages = iter(allocator.free_pages.tolist())
+            expected = [
+                next(expected_pages) * page_size if (seq - 1) % page_size == 0
+                else (last // page_size) * page_size + (seq - 1) % page_size
+                for seq, last in zip(seq_lens, last_loc, strict=True)
+            ]
+            assert allocator.alloc_decode(seq_lens, torch.tensor(last_loc)).tolist() == expected
+
+
+class TestFreeDecision:
+    def test_page_1_free_decides_alike_after_its_offers_start_over(self) -> None:
+        """The values a page_size 1 free offers only decrease; when they would run out they
+        start over, and every decision stays the same (a double free still drops)."""
+        allocator = _make_allocator(1)
+        held = allocator.alloc(4)
+        allocator.free(held[:2])
+        allocator._offer = -(2**61) + 2  # the next free (3 entries) runs out of offers
+        allocator.free(torch.cat([held[2:], held[:1]]))  # two live slots, one double free
+        assert allocator._offer > 0  # they started over
+        assert allocator.drop_counts() == {"double_free": 1, "out_of_pool": 0, "reserved": 0}
+        assert allocator.page_allocated.nonzero().flatten().tolist() == []
+        again = allocator.alloc(allocator.size)
+        _assert_unique(again)
+        allocator.free(again[:1])
+        allocator.free(again[:1])
+        assert allocator.drop_counts()["double_free"] == 2
+
+    def test_a_clean_verification_reads_the_kept_masks_not_the_list(self) -> None:
+        """An alloc that reaches freed-but-unverified slots reads the frees' kept masks (one
+        sync); where all were kept it hands them out with no filter over the list."""
+        allocator = _make_allocator(1)
+        held = allocator.alloc(allocator.size)
+        allocator.free(held)
+        check = count_syncs(allocator.alloc, 4)
+        assert check.total == 1 and {r.op for r in check.records} == {"aten::_local_scalar_dense"}
+        assert allocator.free_pages.numel() == allocator.size - 4

@@ -314,7 +314,7 @@ class TestPeerMappedContract:
         assert hit_counts()["swa.peer_mapped"] == 0
         assert 0 not in _alloc(allocator, POOLS[1][1]).tolist()
 
-    def test_free_swa_page_4_expands_to_page_and_filters_unmapped_once(self) -> None:
+    def test_free_swa_page_4_expands_to_page_and_skips_unmapped_once(self) -> None:
         allocator = _make_allocator(4)
         slots = _alloc(allocator, 8)
         swa_before = allocator.swa_available_size()
@@ -331,9 +331,10 @@ class TestPeerMappedContract:
             assert allocator.swa_available_size() == swa_before
             release = count_syncs(allocator.free_group_end)
         assert enqueue.total == 0, enqueue.summary()
-        assert sum(r.count for r in release.records if r.op == "bool-mask index") == 1, (
-            release.summary()
-        )
+        # SGLang filters the unmapped slots with a boolean mask (a sync of its own); ours skips
+        # them inside the paged free, so the release syncs only for the free's page dedup.
+        assert {r.op for r in release.records} == {"aten::_unique2"}, release.summary()
+        assert release.total == 1, release.summary()
         assert allocator.swa_available_size() == swa_before + 8
         assert allocator.translate_loc_from_full_to_swa(slots).tolist() == [0] * 8
         assert allocator.drop_counts()["swa"] == {"double_free": 0, "out_of_pool": 0, "reserved": 0}

@@ -9,22 +9,42 @@ Slot (or page) 0 is the padding sink and is never handed out. Free lists follow 
 - `need_sort=True`: frees are staged in `release_pages` and folded into a sorted free list only
   when an alloc runs short (`merge_and_sort_free`).
 
-A per-page `page_allocated` bitmap makes bad frees harmless: a double free, an id past the end
-of the pool or an id inside the padding page is dropped instead of recycled, and counted on the
-device. Counting never crashes (SGLang's drop counters do not either): with checks on, each
-drop also adds to the count path of its invariant (`alloc.double_free`, `alloc.out_of_pool`,
-`alloc.reserved_slot`), whose counters ride the step's one device-to-host read.
+A per-page state row (`page_allocated` reads it as a bitmap) makes bad frees harmless: a double
+free, an id past the end of the pool or an id inside the padding page is dropped instead of
+recycled, and counted on the device. Counting never crashes (SGLang's drop counters do not
+either): with checks on, each drop also adds to the count path of its invariant
+(`alloc.double_free`, `alloc.out_of_pool`, `alloc.reserved_slot`), whose counters ride the step's
+one device-to-host read.
 
-page_size 1 frees are sync-free: the drop decision is a fixed-shape `where`, so a dropped entry
-stays in the list as a *hole* (page 0). The host learns whether holes exist from the drop
-counters the scheduler reads back with each step (`note_drop_totals`); until then the entries
-freed since the last read are unverified, and an alloc that would reach them drops the holes
-first (a sync, paid only when the pool is that short). Paged frees sync anyway (their dedup has a
-data-dependent shape), and the same dedup drops the holes.
+page_size 1 frees are sync-free: the drop decision is fixed-shape, so a dropped entry stays in
+the list as a *hole* (page 0). The host learns whether holes exist from the drop counters the
+scheduler reads back with each step (`note_drop_totals`); until then the entries freed since the
+last read are unverified, and an alloc that would reach them drops the holes first (a sync, paid
+only when the pool is that short). Paged frees sync anyway (their dedup has a data-dependent
+shape), and the same dedup drops the holes.
+
+How a free is decided, in few device ops (the hot path of every step):
+
+- The state row holds `_ALLOCATED` for a page that is handed out, anything larger for one that
+  is not. Ids are clamped into the row first: ids below 0 land on page 0, ids past the pool on a
+  sink entry after the last page; neither ever reads as allocated.
+- page_size 1: every entry offers a value, unique over the allocator's life and decreasing from
+  one free to the next, with a scatter-max into the row. An allocated page takes the largest
+  value offered (the entry named last, as a scatter with last-write-wins would pick) and only
+  that entry reads its own value back: it is the one recycled. A page that was not allocated
+  keeps a value older, hence larger, than any offered now, so none of its entries reads its own
+  value back: all are dropped. The winners' values stay in the row and read as free.
+- Larger pages: a page named by several slots goes back once (the dedup does that), a scratch
+  claim row picks one entry per page to carry its count, and the row is reset to free for every
+  page named.
+- The drop counts themselves are kept as the classified entries and folded into the counters
+  only when someone reads them (`drop_counter`, `drop_counts`), or every `_FOLD_EVERY` frees:
+  at the step's read-back that is one fold for all of the step's frees.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +91,9 @@ _RESERVED_SLOT = Invariant(
 )
 
 DROP_KINDS = ("double_free", "out_of_pool", "reserved")
-# Outcome codes of one freed entry: an index into `_outcomes`.
-_RECYCLED, _DOUBLE, _OUTSIDE, _RESERVED = range(4)
+# Outcome codes of one freed entry: an index into `_outcomes`. `_IGNORED`: an entry the caller
+# asked to skip (the unmapped slots of an SWA page free), neither freed nor a drop.
+_RECYCLED, _DOUBLE, _OUTSIDE, _RESERVED, _IGNORED = range(5)
 
 
 # Each drop kind's invariant, in the order of `_REPORT_CODES`.
@@ -82,6 +103,16 @@ _REPORTS = (
     (_DOUBLE_FREE, "not allocated"),
 )
 _REPORT_CODES = (_OUTSIDE, _RESERVED, _DOUBLE)
+
+# State row values: an allocated page holds `_ALLOCATED`; a free one anything larger. A page
+# never freed since `clear` holds `_NEVER_FREED`, larger than every value a free offers.
+_ALLOCATED = -(2**62)
+_NEVER_FREED = 2**62
+_OFFER_TOP = 2**61
+_OFFER_FLOOR = -(2**61)
+# Frees kept unfolded at most (their classified entries; see the module docstring).
+_FOLD_EVERY = 64
+_I64 = torch.int64
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,14 @@ def num_new_pages(prefix_lens: list[int], seq_lens: list[int], page_size: int) -
         -(-seq // page_size) - -(-prefix // page_size)
         for prefix, seq in zip(prefix_lens, seq_lens, strict=True)
     )
+
+
+def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host ints, built without a per-element Python conversion."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    host = torch.frombuffer(array("q", values), dtype=torch.int64)
+    return host if device.type == "cpu" else host.to(device)
 
 
 class BaseTokenToKVPoolAllocator:
@@ -138,35 +177,80 @@ class BaseTokenToKVPoolAllocator:
         self.dtype = dtype
         self.need_sort = need_sort
         self._kvcache = kvcache
+        device = self.device
         # Freed entries by outcome: [_RECYCLED] recycled, else dropped as DROP_KINDS[code - 1].
-        self._outcomes = torch.zeros(1 + len(DROP_KINDS), dtype=torch.int64, device=self.device)
+        self._outcomes = torch.zeros(2 + len(DROP_KINDS), dtype=torch.int64, device=device)
         # Drops the host has learned of (`note_drop_totals`, `drop_counts`).
         self._drops_known = 0
-        # Scratch row for spotting a page named twice in one free (see `_route`); its last entry
-        # takes the claims of ids outside the pool.
-        self._claims = torch.zeros(self.num_pages + 2, dtype=torch.int64, device=self.device)
-        self._zero_page = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._report_codes = torch.tensor(_REPORT_CODES, dtype=torch.int64, device=self.device)[:, None]
+        # Classified frees not yet folded into `_outcomes`: (ids clamped or owned, kept, counted).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # Per-page rows, indexed by page + 1 (the paged free's `_shifted_pages`): [0] takes pages
+        # below 0, [1] page 0, then the pool, [num_pages + 2] pages past it, [num_pages + 3] the
+        # entries a free is told to ignore. `_state` and `_kind` view the same rows indexed by
+        # the page itself: [0] page 0 ... [num_pages + 1] past the pool, which is also where
+        # advanced indexing sends -1 (the page_size 1 free clamps ids below 0 to -1).
+        self._sink = self.num_pages + 1  # the page ids past the pool clamp onto (unshifted)
+        self._ignore_row = self.num_pages + 3
+        rows = self.num_pages + 4
+        kind_rows = torch.full((rows,), _DOUBLE, dtype=torch.int64, device=device)
+        kind_rows[0] = _OUTSIDE
+        kind_rows[1] = _RESERVED
+        kind_rows[self.num_pages + 2] = _OUTSIDE
+        kind_rows[self._ignore_row] = _IGNORED
+        self._kind_rows = kind_rows
+        # Unshifted: [0] page 0, the pool, [num_pages + 1] past it; -1 wraps onto past-pool too.
+        self._kind = kind_rows[1 : self.num_pages + 3]
+        self._report_codes = torch.tensor(_REPORT_CODES, dtype=torch.int64, device=device)[:, None]
+        # The next (exclusive) top of the values a page_size 1 free offers; only ever decreases.
+        self._offer = _OFFER_TOP
+        self._rows = torch.full((rows,), _NEVER_FREED, dtype=torch.int64, device=device)
+        self._state = self._rows[1 : self.num_pages + 3]
         self.clear()
 
     # ---- state ----------------------------------------------------------------------------
 
     def clear(self) -> None:
         """Every page free, nothing allocated, drop counters kept."""
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        # The free list, as chunks in order (a free appends one; `free_pages` joins them).
+        self._chunks = [torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)]
+        self._free_count = self.num_pages
         self.release_pages: list[torch.Tensor] = []
         self._staged = 0  # host-side count of entries in release_pages
         # Entries that may be holes (page 0): the tail of free_pages (need_sort=False) or the
         # staged ones (need_sort=True). Host-side.
         self._unverified = 0
-        self.page_allocated = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        # The kept masks of the page_size 1 frees that put them there (`_drop_holes` reads them).
+        self._unverified_kept: list[torch.Tensor] = []
+        self._rows.fill_(_NEVER_FREED)
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free list, head first (joins its chunks; a device op, no sync)."""
+        chunks = self._chunks
+        if len(chunks) == 1:
+            return chunks[0]
+        if not chunks:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        joined = torch.cat(chunks)
+        self._chunks = [joined]
+        return joined
+
+    @free_pages.setter
+    def free_pages(self, pages: torch.Tensor) -> None:
+        self._chunks = [pages] if pages.numel() else []
+        self._free_count = int(pages.numel())
+
+    @property
+    def page_allocated(self) -> torch.Tensor:
+        """Which pages are handed out, `[num_pages + 1]` bool (page 0 never is)."""
+        return self._state[: self.num_pages + 1] == _ALLOCATED
 
     def get_kvcache(self) -> Any:
         return self._kvcache
 
     def available_size(self) -> int:
         """Free slots (host-side, no sync). Counts staged frees, and holes not yet dropped."""
-        return (int(self.free_pages.numel()) + self._staged) * self.page_size
+        return (self._free_count + self._staged) * self.page_size
 
     def merge_and_sort_free(self) -> None:
         """Fold staged frees into the sorted free list and drop every hole.
@@ -193,14 +277,57 @@ class BaseTokenToKVPoolAllocator:
         self.free_pages = state.free_pages.clone()
         self.release_pages = [t.clone() for t in state.release_pages]
         self._staged = sum(int(t.numel()) for t in self.release_pages)
-        self.page_allocated = state.page_allocated.clone()
+        self._rows.fill_(_NEVER_FREED)
+        self._state[: self.num_pages + 1].masked_fill_(state.page_allocated, _ALLOCATED)
         self._unverified = state.unverified
+        # Which of the restored entries are holes is not on record: a drop reads them all.
+        self._unverified_kept = []
 
     # ---- bad-free counters ----------------------------------------------------------------
 
+    def _outcome_codes(self, ids: torch.Tensor, kept: torch.Tensor, *, clamped: bool = False) -> torch.Tensor:
+        """Each entry's outcome: `_RECYCLED` where kept, else its drop kind (fixed shape).
+        `clamped`: `ids` are already clamped into `[-1, num_pages + 1]`."""
+        code = self._kind[ids if clamped else ids.clamp(-1, self._sink)]
+        return code.masked_fill_(kept, _RECYCLED)
+
+    def _fold(self) -> None:
+        """Count the pending classified frees into `_outcomes` (device ops, no sync)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        if len(pending) == 1:
+            ids, kept, counted = pending[0]
+        else:
+            ids = torch.cat([p[0] for p in pending])
+            kept = torch.cat([p[1] for p in pending])
+            counted = None if pending[0][2] is None else torch.cat([p[2] for p in pending])
+        if counted is None:
+            # page_size 1: every entry counts. Count by kind with compares and sums (cheaper per
+            # entry than a per-entry code; `ids` are raw or clamped into [-1, num_pages + 1],
+            # which keeps below 0, 0 and past the pool apart).
+            below = (ids < 0).sum()
+            past = (ids > self.num_pages).sum()
+            padding = (ids == 0).sum()
+            recycled = kept.sum()
+            counts = torch.stack([recycled, ids.numel() - recycled - below - past - padding, below + past, padding])
+            self._outcomes[:_IGNORED].add_(counts)
+        else:
+            code = self._outcome_codes(ids, kept)
+            # A page counts once however many of its slots are named; ids outside the pool
+            # count per id, as SGLang's out-of-pool location drops do.
+            counted = counted | (code == _OUTSIDE)
+            self._outcomes.index_add_(0, code, counted.to(torch.int64))
+
+    def _keep_pending(self, ids: torch.Tensor, kept: torch.Tensor, counted: torch.Tensor | None) -> None:
+        self._pending.append((ids, kept, counted))
+        if len(self._pending) >= _FOLD_EVERY:
+            self._fold()
+
     def drop_counter(self) -> torch.Tensor:
         """Every drop so far, as a 0-dim device tensor (for the step's read-back; no sync)."""
-        return self._outcomes[_DOUBLE:].sum()
+        self._fold()
+        return self._outcomes[_DOUBLE:_IGNORED].sum()
 
     def note_drop_totals(self, total: int) -> None:
         """What `drop_counter()` read back. No new drop: every entry freed so far is a real page.
@@ -209,20 +336,34 @@ class BaseTokenToKVPoolAllocator:
         """
         if total != self._drops_known:
             self._drops_known = total
-            self._drop_holes()
+            self._drop_holes(known_holes=True)
         self._unverified = 0
+        self._unverified_kept = []
 
-    def _drop_holes(self) -> None:
-        """Filter page 0 out of the free list and the staged frees, keeping their order (a sync)."""
+    def _drop_holes(self, *, known_holes: bool = False) -> None:
+        """Filter page 0 out of the free list and the staged frees, keeping their order (a sync).
+
+        Unless the caller knows there are holes, the frees' kept masks are read first (the same
+        one sync): where every entry was kept there is nothing to filter.
+        """
         if self._unverified:
-            self.free_pages = self.free_pages[self.free_pages > 0]
-            self.release_pages = [t[t > 0] for t in self.release_pages]
-            self._staged = sum(int(t.numel()) for t in self.release_pages)
+            kept = self._unverified_kept
+            # The masks cover the unverified entries only if every one of them came with one.
+            covered = bool(kept) and sum(k.numel() for k in kept) == self._unverified
+            if known_holes or not covered or not bool(
+                (kept[0] if len(kept) == 1 else torch.cat(kept)).all()
+            ):
+                pages = self.free_pages
+                self.free_pages = pages[pages > 0]
+                self.release_pages = [t[t > 0] for t in self.release_pages]
+                self._staged = sum(int(t.numel()) for t in self.release_pages)
         self._unverified = 0
+        self._unverified_kept = []
 
     def drop_counts(self) -> dict[str, int]:
         """Bad frees dropped so far, by kind (a host read: idle ticks and tests)."""
-        counts = dict(zip(DROP_KINDS, self._outcomes[_DOUBLE:].tolist(), strict=True))
+        self._fold()
+        counts = dict(zip(DROP_KINDS, self._outcomes[_DOUBLE:_IGNORED].tolist(), strict=True))
         self.note_drop_totals(sum(counts.values()))
         return counts
 
@@ -235,67 +376,47 @@ class BaseTokenToKVPoolAllocator:
         also drops holes); without, a take that would reach the unverified tail drops them first.
         """
         if self.need_sort:
-            if count > self.free_pages.numel():
+            if count > self._free_count:
                 self.merge_and_sort_free()
-        elif count > self.free_pages.numel() - self._unverified:
-            if count > self.free_pages.numel():  # dropping holes only shortens the list
+        elif count > self._free_count - self._unverified:
+            if count > self._free_count:  # dropping holes only shortens the list
                 return False
             self._drop_holes()
-        return count <= self.free_pages.numel()
+        return count <= self._free_count
 
     def _take_pages(self, count: int) -> torch.Tensor | None:
         if not self._ready(count):
             return None
-        pages = self.free_pages[:count]
-        self.free_pages = self.free_pages[count:]
-        self.page_allocated.index_fill_(0, pages, True)
+        return self._take_ready(count)
+
+    def _take_ready(self, count: int) -> torch.Tensor:
+        """Take `count` pages from the head of the list, after `_ready(count)` said yes."""
+        chunks = self._chunks
+        if not chunks or count == 0:
+            return torch.zeros(0, dtype=_I64, device=self.device)
+        head = chunks[0]
+        have = head.numel()
+        if have == count:
+            del chunks[0]
+            pages = head
+        elif have > count:
+            pages = head[:count]
+            chunks[0] = head[count:]
+        else:
+            joined = torch.cat(chunks)
+            pages = joined[:count]
+            self._chunks = [joined[count:]] if joined.numel() > count else []
+        self._free_count -= count
+        self._state.index_fill_(0, pages, _ALLOCATED)
         return pages
 
-    def _route(self, pages: torch.Tensor, slots: torch.Tensor, *, repeats_are_bad: bool) -> torch.Tensor:
-        """`pages` with every bad entry routed to page 0, counted and reported (fixed shapes).
-
-        A page named twice in one call (a slot freed twice inside one free group on page_size 1)
-        goes back once: each entry writes its position into a scratch row, and exactly one of a
-        repeated page's entries reads its own position back. With `repeats_are_bad` the other
-        entries count as double frees; paged frees name a page once per slot, so there they only
-        make the page count once.
-        """
-        in_pool = (pages >= 0) & (pages <= self.num_pages)
-        safe = torch.where(in_pool, pages, 0)
-        # Ids outside the pool claim a scratch entry of their own, apart from page 0's.
-        claim = safe if repeats_are_bad else torch.where(in_pool, pages, self.num_pages + 1)
-        order = torch.arange(pages.numel(), dtype=torch.int64, device=self.device)
-        self._claims.index_copy_(0, claim, order)
-        first = self._claims[claim] == order
-        # Page 0 never reads as allocated (routed entries only ever clear it).
-        allocated = self.page_allocated[safe]
-        outcome = torch.where(in_pool, torch.where(safe == 0, _RESERVED, _DOUBLE), _OUTSIDE)
-        if repeats_are_bad:
-            allocated &= first
-            outcome.masked_fill_(allocated, _RECYCLED)
-            self._outcomes.index_add_(0, outcome, torch.ones_like(outcome))
-            counted = None
-        else:
-            # A page counts once however many of its slots are named; ids outside the pool
-            # count per id, as SGLang's out-of-pool location drops do.
-            outcome.masked_fill_(allocated, _RECYCLED)
-            counted = first | ~in_pool
-            self._outcomes.index_add_(0, outcome, counted.to(torch.int64))
-        if checks_enabled():
-            self._report(outcome, counted, slots)
-        routed = torch.where(allocated, safe, 0)
-        self.page_allocated.index_fill_(0, routed, False)
-        return routed
-
-    def _report(self, outcome: torch.Tensor, counted: torch.Tensor | None, slots: torch.Tensor) -> None:
+    def _report(self, ok: torch.Tensor, slots: torch.Tensor) -> None:
         """Add each drop kind's entries to its invariant's count path: never a crash point.
 
+        `ok` has one row per drop kind (`_REPORTS`), False where an entry counts as that drop.
         The drop itself is the containment (the data layer); this is only the signal, and like
         SGLang's drop counters it is read back with the step, not asserted at the free.
         """
-        ok = outcome != self._report_codes  # one row per drop kind
-        if counted is not None:
-            ok |= ~counted
         with override_level(InvariantCheckLevel.WARN):
             for row, (inv, msg) in enumerate(_REPORTS):
                 expect(inv, ok[row], msg, slots=slots)
@@ -306,10 +427,12 @@ class BaseTokenToKVPoolAllocator:
         if self.need_sort:
             self.release_pages.append(pages)
             self._staged += n
-        elif at_head:
-            self.free_pages = torch.cat([pages, self.free_pages])
-        else:
-            self.free_pages = torch.cat([self.free_pages, pages])
+        elif n:
+            if at_head:
+                self._chunks.insert(0, pages)
+            else:
+                self._chunks.append(pages)
+            self._free_count += n
         if may_hold_holes:
             self._unverified += n
 
@@ -325,6 +448,20 @@ class BaseTokenToKVPoolAllocator:
 
     def free(self, free_index: torch.Tensor) -> None:
         """Give slots back. Bad ids are dropped and counted, never recycled."""
+        if free_index.numel() == 0:
+            return
+        if free_index.dtype != torch.int64:
+            free_index = free_index.to(torch.int64)
+        report = self._free(free_index, owned=False, checks=checks_enabled())
+        if report is not None:
+            self._report(*report)
+
+    def _free(
+        self, free_index: torch.Tensor, *, owned: bool, checks: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`free` of a non-empty int64 tensor, without the report: returns `(ok, slots)` for
+        `_report` when `checks`, else None. `owned`: nobody else holds `free_index` (it may be
+        kept until the counts are folded)."""
         raise NotImplementedError
 
 
@@ -345,12 +482,43 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self._take_pages(need_size)
 
-    def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        free_index = free_index.to(torch.int64)
-        routed = self._route(free_index, free_index, repeats_are_bad=True)
-        self._give_back(routed, at_head=False, may_hold_holes=True)
+    def _free(
+        self, free_index: torch.Tensor, *, owned: bool, checks: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = free_index.numel()
+        state = self._state
+        sink = self._sink
+        pages = free_index.clamp(0, sink)
+        top = self._offer
+        low = top - n
+        if low < _OFFER_FLOOR:
+            # Every value offered so far reads as free; start the offers over (never in practice).
+            state.masked_fill_(state != _ALLOCATED, _NEVER_FREED)
+            top = _OFFER_TOP
+            low = top - n
+        self._offer = low
+        # Increasing within the call: of a page named twice, the entry named last wins.
+        offers = torch.arange(low, top, dtype=_I64, device=self.device)
+        state.scatter_reduce_(0, pages, offers, "amax")
+        kept = state.index_select(0, pages) == offers
+        # The fold tells the drop kinds apart by the unclamped id (below 0: outside the pool).
+        ids = free_index if owned else free_index.clamp(-1, sink)
+        pending = self._pending
+        pending.append((ids, kept, None))
+        if len(pending) >= _FOLD_EVERY:
+            self._fold()
+        self._unverified_kept.append(kept)
+        routed = pages.mul_(kept)  # holes (page 0) where dropped; `pages` is ours
+        if self.need_sort:
+            self.release_pages.append(routed)
+            self._staged += n
+        else:
+            self._chunks.append(routed)
+            self._free_count += n
+        self._unverified += n
+        if not checks:
+            return None
+        return self._outcome_codes(ids, kept, clamped=not owned) != self._report_codes, free_index
 
 
 class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -359,6 +527,23 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     A freed page goes back at the head of the free list (`need_sort=False`): the next page handed
     out.
     """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        dtype: torch.dtype = torch.float64,
+        kvcache: Any = None,
+        need_sort: bool = False,
+    ) -> None:
+        super().__init__(size, page_size, device, dtype=dtype, kvcache=kvcache, need_sort=need_sort)
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        # Scratch rows (as `_rows`) that pick one entry per page named in a free: its last
+        # entry of the page carries the page's count.
+        self._claims = torch.zeros(self.num_pages + 4, dtype=torch.int64, device=self.device)
+        self._zero_page = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         if need_size % self.page_size:
@@ -369,8 +554,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return self._expand_pages(pages)
 
     def _expand_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+        return torch.add(self._page_offsets, pages.unsqueeze(1), alpha=self.page_size).reshape(-1)
 
     def alloc_extend(
         self,
@@ -393,68 +577,134 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             int64 `[extend_num_tokens]` or None (nothing taken).
         """
         page = self.page_size
-        need_pages = num_new_pages(prefix_lens, seq_lens, page)
+        # Host side, per request (not per token): where each run of output tokens comes from.
+        # The sources are the drawn pages expanded to slots (`drawn`), then, only if some request
+        # continues a partial page, every request's last_loc page expanded to slots; within a run
+        # a token's source index grows by one, so each run is its start and its first source.
+        run_starts: list[int] = []
+        run_sources: list[int] = []
+        carried_runs: list[int] = []  # runs whose source lies past `drawn` (resolved below)
+        need_pages = 0
+        token = 0
+        for req, (prefix, seq) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
+            first_new_page = -(-prefix // page)
+            carried = min(seq, first_new_page * page) - prefix  # tokens in last_loc's page
+            if carried > 0:
+                carried_runs.append(len(run_starts))
+                run_starts.append(token)
+                run_sources.append(req * page + prefix % page)
+                token += carried
+            fresh = seq - max(prefix, first_new_page * page)  # tokens in newly drawn pages
+            if fresh > 0:
+                run_starts.append(token)
+                run_sources.append(need_pages * page)
+                token += fresh
+            need_pages += -(-seq // page) - first_new_page
+        assert token == extend_num_tokens, "extend_num_tokens disagrees with lengths"
         pages = self._take_pages(need_pages)
         if pages is None:
             return None
-        # Per output token: (request, position) on the host, then one gather on the device.
-        req_of_token: list[int] = []
-        new_page_of_token: list[int] = []  # -1: continues last_loc's page
-        offset_in_page: list[int] = []
-        page_cursor = 0
-        for req, (prefix, seq) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
-            first_new_page = -(-prefix // page)
-            for pos in range(prefix, seq):
-                req_of_token.append(req)
-                offset_in_page.append(pos % page)
-                page_no = pos // page
-                new_page_of_token.append(-1 if page_no < first_new_page else page_cursor + page_no - first_new_page)
-            page_cursor += -(-seq // page) - first_new_page
-        assert len(req_of_token) == extend_num_tokens, "extend_num_tokens disagrees with lengths"
-        return self._place(pages, last_loc, req_of_token, new_page_of_token, offset_in_page)
+        drawn = self._expand_pages(pages)
+        if not carried_runs and run_sources == run_starts:
+            # Every request starts on a fresh page and the runs sit back to back in `drawn`
+            # (only a partial tail page may end it): a page-aligned extend, the common case.
+            return drawn if drawn.numel() == token else drawn[:token]
+        source = drawn
+        if carried_runs:
+            for run in carried_runs:
+                run_sources[run] += need_pages * page
+            if last_loc.dtype != torch.int64:
+                last_loc = last_loc.to(torch.int64)
+            continued = torch.div(last_loc, page, rounding_mode="floor")
+            source = torch.cat([drawn, self._expand_pages(continued)])
+        # index[j] = its run's first source + (j - run start): a cumsum of ones that jumps at
+        # each run start.
+        jumps = []
+        previous = 0  # the source index of the token before the run (the first run: none)
+        for start, end, first in zip(run_starts, run_starts[1:] + [token], run_sources, strict=True):
+            jumps.append(first - previous)
+            previous = first + end - start - 1
+        deltas = torch.ones(token, dtype=torch.int64, device=self.device)
+        meta = _host_ints(run_starts + jumps, self.device)
+        runs = len(run_starts)
+        deltas.index_copy_(0, meta[:runs], meta[runs:])
+        return source.index_select(0, deltas.cumsum_(0))
 
     def alloc_decode(self, seq_lens: list[int], last_loc: torch.Tensor) -> torch.Tensor | None:
         """One slot per request for position `seq_len - 1` (a new page only at a boundary)."""
         page = self.page_size
-        needs_page = [(seq - 1) % page == 0 for seq in seq_lens]
-        pages = self._take_pages(sum(needs_page))
+        offsets = [(seq - 1) % page for seq in seq_lens]
+        new_pages = offsets.count(0)
+        pages = self._take_pages(new_pages)
         if pages is None:
             return None
-        new_page_of_token, cursor = [], 0
-        for needs in needs_page:
-            new_page_of_token.append(cursor if needs else -1)
-            cursor += int(needs)
-        offsets = [(seq - 1) % page for seq in seq_lens]
-        return self._place(pages, last_loc, list(range(len(seq_lens))), new_page_of_token, offsets)
+        reqs = len(seq_lens)
+        if new_pages == reqs:
+            return pages * page
+        if last_loc.dtype != torch.int64:
+            last_loc = last_loc.to(torch.int64)
+        continued = torch.div(last_loc, page, rounding_mode="floor").mul_(page)
+        if new_pages == 0:
+            return continued.add_(_host_ints(offsets, self.device))
+        # Sources: the drawn pages' first slots, then each request's last_loc page.
+        index, cursor = [], 0
+        for req, offset in enumerate(offsets):
+            if offset == 0:
+                index.append(cursor)
+                cursor += 1
+            else:
+                index.append(new_pages + req)
+        meta = _host_ints(index + offsets, self.device)
+        source = torch.cat([pages * page, continued])
+        return source.index_select(0, meta[:reqs]).add_(meta[reqs:])
 
-    def _place(
+    def _shifted_pages(self, free_index: torch.Tensor) -> torch.Tensor:
+        """Each slot's page + 1, clamped into the rows (see `_rows`): a fresh tensor."""
+        page = self.page_size
+        if page & (page - 1) == 0:
+            # An arithmetic shift floors like the division (negative ids included), far cheaper.
+            shifted = torch.add(free_index, page).bitwise_right_shift_(page.bit_length() - 1)
+        else:
+            shifted = torch.div(free_index, page, rounding_mode="floor").add_(1)
+        return shifted.clamp_(0, self.num_pages + 2)
+
+    def _outcome_codes(self, ids: torch.Tensor, kept: torch.Tensor, *, clamped: bool = True) -> torch.Tensor:
+        # Paged entries are kept as shifted pages (`_shifted_pages`), clamped by construction.
+        return self._kind_rows.index_select(0, ids).masked_fill_(kept, _RECYCLED)
+
+    def _free(
         self,
-        pages: torch.Tensor,
-        last_loc: torch.Tensor,
-        req_of_token: list[int],
-        new_page_of_token: list[int],
-        offset_in_page: list[int],
-    ) -> torch.Tensor:
-        device = self.device
-        req_idx = torch.tensor(req_of_token, dtype=torch.int64, device=device)
-        new_page = torch.tensor(new_page_of_token, dtype=torch.int64, device=device)
-        offset = torch.tensor(offset_in_page, dtype=torch.int64, device=device)
-        # Continuation tokens sit in last_loc's page; new-page tokens in the page they drew.
-        continued_page = torch.div(last_loc.to(torch.int64)[req_idx], self.page_size, rounding_mode="floor")
-        drawn_page = pages[new_page.clamp(min=0)] if pages.numel() else torch.zeros_like(new_page)
-        page_of_token = torch.where(new_page >= 0, drawn_page, continued_page)
-        return page_of_token * self.page_size + offset
-
-    def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        free_index = free_index.to(torch.int64)
-        pages = torch.div(free_index, self.page_size, rounding_mode="floor")
-        routed = self._route(pages, free_index, repeats_are_bad=False)
-        # The dedup SGLang's paged free pays a sync for anyway; the appended 0 sorts first, so
-        # a fixed `[1:]` drops it together with every hole.
-        kept = torch.unique(torch.cat([routed, self._zero_page]))[1:]
+        free_index: torch.Tensor,
+        *,
+        owned: bool,
+        checks: bool,
+        skip_nonpositive: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """See the base class. `skip_nonpositive`: entries <= 0 name no slot (an SWA page's
+        unmapped slots) and are ignored: neither freed nor counted nor reported."""
+        rows = self._rows
+        shifted = self._shifted_pages(free_index)
+        if skip_nonpositive:
+            shifted = torch.where(free_index > 0, shifted, self._ignore_row)
+        order = torch.arange(shifted.numel(), dtype=torch.int64, device=self.device)
+        claims = self._claims
+        claims.index_copy_(0, shifted, order)
+        first = claims.index_select(0, shifted) == order
+        allocated = rows.index_select(0, shifted) == _ALLOCATED
+        # Every page named is free now (page 0 and the other non-pool rows never read allocated).
+        rows.index_fill_(0, shifted, _NEVER_FREED)
+        # The dedup SGLang's paged free pays a sync for anyway; the added 0 sorts first, so a
+        # fixed `[1:]` drops it together with every hole. (Put in front: CPU sort is very slow
+        # on an ascending run that ends in its minimum.)
+        kept = torch.unique(torch.cat([self._zero_page, shifted * allocated]))[1:].sub_(1)
+        self._keep_pending(shifted, allocated, first)
         self._give_back(kept, at_head=True, may_hold_holes=False)
+        if not checks:
+            return None
+        code = self._outcome_codes(shifted, allocated)
+        ok = code != self._report_codes
+        ok |= ~(first | (code == _OUTSIDE))
+        return ok, free_index
 
 
 def create_sub_allocator(

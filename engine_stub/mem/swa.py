@@ -30,13 +30,16 @@ from engine_stub.invariants import (
     Bucket,
     InClosedRange,
     Invariant,
+    InvariantCheckLevel,
     IsZero,
     Positive,
     checks_enabled,
     drain_firings,
     expect,
+    override_level,
 )
 from engine_stub.mem.allocator import (
+    _REPORTS,
     AllocatorState,
     BaseTokenToKVPoolAllocator,
     PagedTokenToKVPoolAllocator,
@@ -70,6 +73,26 @@ POOL_BOUND = Invariant(
     site="SWATokenToKVPoolAllocator.free_group_end",
     description="a sub-allocator reports more free slots than it has (an over-free)",
 )
+
+
+def _report_drops(*reports: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Add the sub-allocators' bad-free drops to their invariants' count paths, as one report.
+
+    Each report is `(ok, slots)` from a sub-allocator's `_free` (None: checks were off or nothing
+    was freed); joined, the firings list the same slots in the same order as separate reports.
+    Count-only at every level, never a crash point (see `engine_stub.mem.allocator`).
+    """
+    parts = [r for r in reports if r is not None]
+    if not parts:
+        return
+    if len(parts) == 1:
+        ok, slots = parts[0]
+    else:
+        ok = torch.cat([p[0] for p in parts], dim=1)
+        slots = torch.cat([p[1] for p in parts])
+    with override_level(InvariantCheckLevel.WARN):
+        for row, (inv, msg) in enumerate(_REPORTS):
+            expect(inv, ok[row], msg, slots=slots)
 
 
 @dataclass(frozen=True)
@@ -124,6 +147,7 @@ class SWATokenToKVPoolAllocator:
             size + page_size + 1, dtype=torch.int64, device=self.device
         )
         self.full_to_swa_index_mapping[-1] = -1
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         self.free_group: list[torch.Tensor] | None = None
         self.full_free_group: list[torch.Tensor] = []
         # Debug switch (like SGLANG_DEBUG_REVERT_PR): the pre-PR-36723 silent filter, no checks.
@@ -165,23 +189,33 @@ class SWATokenToKVPoolAllocator:
         return self.full_to_swa_index_mapping[kv_indices.to(torch.int64)]
 
     def set_full_to_swa_mapping(self, full_indices: torch.Tensor, swa_indices: torch.Tensor) -> None:
-        self.full_to_swa_index_mapping.index_copy_(
-            0, full_indices.to(torch.int64), swa_indices.to(torch.int64)
-        )
+        if full_indices.dtype != torch.int64:
+            full_indices = full_indices.to(torch.int64)
+        if swa_indices.dtype != torch.int64:
+            swa_indices = swa_indices.to(torch.int64)
+        self.full_to_swa_index_mapping.index_copy_(0, full_indices, swa_indices)
 
     def clear_full_to_swa_mapping(self, full_indices: torch.Tensor) -> None:
+        if full_indices.dtype != torch.int64:
+            full_indices = full_indices.to(torch.int64)
         # index_fill_, not `mapping[idx] = 0`: assigning a host scalar is a blocking H2D copy.
-        self.full_to_swa_index_mapping.index_fill_(0, full_indices.to(torch.int64), 0)
+        self.full_to_swa_index_mapping.index_fill_(0, full_indices, 0)
 
     # ---- alloc -------------------------------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` slots on both sides, or None with nothing taken. Returns FULL indices."""
         pages = -(-need_size // self.page_size)
-        if not self.new_pages_available(pages, pages):
+        full_side, swa_side = self.full_attn_allocator, self.swa_attn_allocator
+        if not (full_side._ready(pages) and swa_side._ready(pages)):
             return None
-        full = self.full_attn_allocator.alloc(need_size)
-        swa = self.swa_attn_allocator.alloc(need_size)
+        if self.page_size == 1:
+            # Both sides are ready: take the pages without asking again.
+            full = full_side._take_ready(need_size)
+            swa = swa_side._take_ready(need_size)
+        else:
+            full = full_side.alloc(need_size)
+            swa = swa_side.alloc(need_size)
         return self._pair(full, swa)
 
     def alloc_extend(
@@ -239,17 +273,42 @@ class SWATokenToKVPoolAllocator:
 
     def _pair(self, full: torch.Tensor | None, swa: torch.Tensor | None) -> torch.Tensor:
         assert full is not None and swa is not None, "a side failed after new_pages_available"
-        self.set_full_to_swa_mapping(full, swa)
+        # Both are int64 tensors of ours: no conversion on the way in.
+        self.full_to_swa_index_mapping.index_copy_(0, full, swa)
         return full
 
     # ---- free --------------------------------------------------------------------------------
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Release both sides of FULL slots. Not idempotent: the SWA side reads the mapping."""
+        """Release both sides of FULL slots. Not idempotent: the SWA side reads the mapping.
+
+        `free_swa` then `free_full`; outside a free group the two run fused, with one report of
+        both sides' bad-free drops. The fused `free_full` skips its `swa.peer_released` check:
+        `free_swa` has just zeroed every mapping entry it reads, so it cannot fire.
+        """
         if free_index.numel() == 0:
             return
-        self.free_swa(free_index)
-        self.free_full(free_index)
+        if self.free_group is not None or self.revert_pr_36723:
+            self.free_swa(free_index)
+            self.free_full(free_index)
+            return
+        if free_index.dtype != torch.int64:
+            free_index = free_index.to(torch.int64)
+        mapping = self.full_to_swa_index_mapping
+        checks = checks_enabled()
+        if self.page_size == 1:
+            swa_indices = mapping[free_index]
+            if checks:
+                # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
+                expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
+            mapping.index_fill_(0, free_index, 0)
+        else:
+            mapping_indices = self._expand_to_full_pages(free_index)
+            swa_indices = mapping[mapping_indices]
+            mapping.index_fill_(0, mapping_indices, 0)
+        swa_report = self._release_swa_unreported(swa_indices, checks)
+        full_report = self.full_attn_allocator._free(free_index, owned=False, checks=checks)
+        _report_drops(swa_report, full_report)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         """Release the SWA peers of FULL slots and zero their mapping entries."""
@@ -257,41 +316,74 @@ class SWATokenToKVPoolAllocator:
             return
         if free_index.dtype != torch.int64:
             free_index = free_index.to(torch.int64)
-        mapping_indices = free_index if self.page_size == 1 else self._expand_to_full_pages(free_index)
-        swa_indices = self.full_to_swa_index_mapping[mapping_indices]
-        if self.page_size == 1 and not self.revert_pr_36723:
-            # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
-            expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
-        # index_fill_, not `mapping[idx] = 0`: assigning a host scalar is a blocking H2D copy.
-        self.full_to_swa_index_mapping.index_fill_(0, mapping_indices, 0)
-        if self.free_group is not None:
+        mapping = self.full_to_swa_index_mapping
+        if self.page_size == 1:
+            swa_indices = mapping[free_index]
+            if not self.revert_pr_36723:
+                # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
+                expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
+            # index_fill_, not `mapping[idx] = 0`: assigning a host scalar is a blocking H2D copy.
+            mapping.index_fill_(0, free_index, 0)
+        else:
+            mapping_indices = self._expand_to_full_pages(free_index)
+            swa_indices = mapping[mapping_indices]
+            mapping.index_fill_(0, mapping_indices, 0)
+        group = self.free_group
+        if group is not None:
             # Ownership is resolved now: a later action in this group may re-pair the slot.
-            self.free_group.append(swa_indices)
+            group.append(swa_indices)
         else:
             self._release_swa(swa_indices)
 
     def _expand_to_full_pages(self, free_index: torch.Tensor) -> torch.Tensor:
         # Duplicates are kept on purpose: the paged free dedups, and dedup here would sync.
         page = self.page_size
-        first_slots = torch.div(free_index, page, rounding_mode="floor") * page
-        offsets = torch.arange(page, dtype=torch.int64, device=self.device)
-        return (first_slots[:, None] + offsets).reshape(-1)
+        if page & (page - 1) == 0:
+            # An arithmetic shift floors like the division (negative ids included), far cheaper.
+            first_pages = free_index >> (page.bit_length() - 1)
+        else:
+            first_pages = torch.div(free_index, page, rounding_mode="floor")
+        return torch.add(self._page_offsets, first_pages.unsqueeze(1), alpha=page).reshape(-1)
 
     def _release_swa(self, swa_indices: torch.Tensor) -> None:
-        if self.page_size > 1 or self.revert_pr_36723:
-            # HiCache load-back can leave unmapped slots inside a page; one filter per group.
+        _report_drops(self._release_swa_unreported(swa_indices, checks_enabled()), None)
+
+    def _release_swa_unreported(
+        self, swa_indices: torch.Tensor, checks: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Free SWA ids of ours on the SWA side; returns its drop report (see `_report_drops`).
+
+        Past a pool-bound breach the report is made here, before the bound check that crashes at
+        STRICT, so that its drops are on record first (as an unfused free reports them).
+        """
+        side = self.swa_attn_allocator
+        if self.revert_pr_36723:
+            # The pre-PR silent filter (a sync).
             swa_indices = swa_indices[swa_indices > 0]
-        self.swa_attn_allocator.free(swa_indices)
-        self._expect_within_bound(self.swa_attn_allocator)
+            report = side._free(swa_indices, owned=True, checks=checks) if swa_indices.numel() else None
+        elif self.page_size > 1:
+            # HiCache load-back can leave unmapped slots inside a page. SGLang filters them out
+            # once per group (a sync); the paged free skips them in place instead, fixed-shape,
+            # ahead of the dedup it syncs for anyway: the same slots freed, counted, reported.
+            report = side._free(swa_indices, owned=True, checks=checks, skip_nonpositive=True)
+        else:
+            report = side._free(swa_indices, owned=True, checks=checks)
+        if side.available_size() > side.size:  # (it is never negative)
+            _report_drops(report, None)
+            report = None
+            self._expect_within_bound(side)
+        return report
 
     def free_full(self, free_index: torch.Tensor) -> None:
         """Release the full side only. The SWA peers must already be released."""
         if free_index.numel() == 0:
             return
-        free_index = free_index.to(torch.int64)
+        if free_index.dtype != torch.int64:
+            free_index = free_index.to(torch.int64)
         # Checked at enqueue: a cache action later in this group may pair the slot again, and
         # that new peer is not this call's to judge.
-        if not self.revert_pr_36723 and checks_enabled():
+        checks = checks_enabled()
+        if checks and not self.revert_pr_36723:
             expect(
                 SWA_PEER_RELEASED,
                 self.full_to_swa_index_mapping[free_index],
@@ -299,7 +391,7 @@ class SWATokenToKVPoolAllocator:
                 slots=free_index,
             )
         if self.free_group is None:
-            self.full_attn_allocator.free(free_index)
+            _report_drops(self.full_attn_allocator._free(free_index, owned=False, checks=checks), None)
         else:
             # A copy: the caller may mutate its view before the group ends.
             self.full_free_group.append(free_index.clone())
@@ -312,12 +404,19 @@ class SWATokenToKVPoolAllocator:
     def free_group_end(self) -> None:
         assert self.free_group is not None, "free_group_end without free_group_begin"
         swa_group, self.free_group = self.free_group, None
+        checks = checks_enabled()
+        swa_report = full_report = None
         if swa_group:
-            self._release_swa(torch.cat(swa_group))
+            swa_indices = swa_group[0] if len(swa_group) == 1 else torch.cat(swa_group)
+            swa_report = self._release_swa_unreported(swa_indices, checks)
         if self.full_free_group:
             full_group, self.full_free_group = self.full_free_group, []
-            # Straight to the sub-allocator: the GUARD ran at enqueue, not again here.
-            self.full_attn_allocator.free(torch.cat(full_group))
+            full_indices = full_group[0] if len(full_group) == 1 else torch.cat(full_group)
+            # Straight to the sub-allocator: the GUARD ran at enqueue, not again here. Its
+            # entries are copies of ours (free_full clones them).
+            full_report = self.full_attn_allocator._free(full_indices, owned=True, checks=checks)
+        # One report for both sides, SWA first (the order of the frees).
+        _report_drops(swa_report, full_report)
         self._expect_within_bound(self.full_attn_allocator)
 
     def _expect_within_bound(self, side: BaseTokenToKVPoolAllocator) -> None:
