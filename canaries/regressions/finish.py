@@ -1,0 +1,45 @@
+"""Finish and release: a finished request's KV back to the pools or into the radix cache."""
+
+from canaries.regressions import regression
+
+SCHED = "engine_stub/scheduler.py"
+
+regression(
+    name="finish.row-never-freed", area="finish", file=SCHED,
+    old="            self._release_kv(req)\n            self.req_to_token_pool.free(req)\n",
+    new="            self._release_kv(req)\n",
+    models="a finished request's req_to_token row is never returned (a request-row leak)",
+    caught_by=("leak-request",),
+)
+regression(
+    name="finish.noradix-release-skips-swa", area="finish", file=SCHED,
+    old="            self.allocator.free_full(slots[:frontier])\n            self.allocator.free(slots[frontier:])\n",
+    new="            self.allocator.free_full(slots[:frontier])\n            self.allocator.free_full(slots[frontier:])\n",
+    models="without a radix cache, finishing frees the in-window tail on the full side only, "
+           "stranding its SWA peers",
+    caught_by=("clean-page1-noradix",),
+)
+regression(
+    name="finish.noradix-refrees-evicted-swa", area="finish", file=SCHED,
+    old="            self.allocator.free_full(slots[:frontier])\n            self.allocator.free(slots[frontier:])\n",
+    new="            self.allocator.free(slots[:frontier])\n            self.allocator.free(slots[frontier:])\n",
+    models="finishing frees the window-evicted head through free (its SWA peers again) instead of "
+           "free_full: free_swa meets released peers",
+    caught_by=("clean-page1-noradix",),
+)
+regression(
+    name="finish.lock-never-released", area="finish", file=SCHED,
+    old="        self.tree_cache.dec_lock_ref(req.lock)\n        req.lock = None\n",
+    new="        req.lock = None\n",
+    models="a finished request never unlocks the radix path it matched: the prefix stays "
+           "protected forever",
+    caught_by=("clean-cache-hits",),
+)
+regression(
+    name="finish.insert-claims-evicted-swa-live", area="finish", file=SCHED,
+    old="            swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),\n",
+    new="            swa_evicted_seqlen=min(req.cache_protected_len, aligned),\n",
+    models="the radix insert is told nothing was window-evicted: released SWA ranges are cached "
+           "as live nodes",
+    caught_by=("clean-page1-radix",),
+)

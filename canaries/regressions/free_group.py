@@ -1,0 +1,3 @@
+"""Catalogue entries: free_group."""
+
+from canaries.regressions import regression  # noqa: F401

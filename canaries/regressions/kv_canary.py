@@ -1,0 +1,3 @@
+"""Catalogue entries: kv_canary."""
+
+from canaries.regressions import regression  # noqa: F401

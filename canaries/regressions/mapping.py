@@ -1,0 +1,3 @@
+"""Catalogue entries: mapping."""
+
+from canaries.regressions import regression  # noqa: F401

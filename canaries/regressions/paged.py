@@ -1,0 +1,3 @@
+"""Catalogue entries: paged."""
+
+from canaries.regressions import regression  # noqa: F401

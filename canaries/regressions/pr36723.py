@@ -1,0 +1,3 @@
+"""Catalogue entries: pr36723."""
+
+from canaries.regressions import regression  # noqa: F401

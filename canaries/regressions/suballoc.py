@@ -1,0 +1,3 @@
+"""Catalogue entries: suballoc."""
+
+from canaries.regressions import regression  # noqa: F401

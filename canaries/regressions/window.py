@@ -1,0 +1,3 @@
+"""Catalogue entries: window."""
+
+from canaries.regressions import regression  # noqa: F401
