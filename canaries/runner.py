@@ -94,8 +94,9 @@ def cancel_all() -> None:
     stop_all(timeout=3.0)
 
 
-def spec_for(scenario: Any, device: str | None = None) -> dict:
-    """The engine's spec: `engine_spec(scenario)` plus the lockstep gate and a device override."""
+def spec_for(scenario: Any, device: str | None = None, memory: str | None = None) -> dict:
+    """The engine's spec: `engine_spec(scenario)` plus the lockstep gate, and the run's device
+    and memory backend overrides."""
     from canaries.scenario import engine_spec
 
     spec = engine_spec(scenario)  # a fresh dict, its "engine" a fresh copy of the knobs
@@ -104,6 +105,8 @@ def spec_for(scenario: Any, device: str | None = None) -> dict:
     engine["gate_concurrency"] = scenario.workload.concurrency
     if device:
         engine["device"] = device
+    if memory:
+        engine["memory"] = memory
     return spec
 
 
@@ -225,12 +228,15 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
                  device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
-                 drive_deadline_s: float | None = None, engine_root: str | os.PathLike | None = None):
+                 drive_deadline_s: float | None = None, engine_root: str | os.PathLike | None = None,
+                 memory: str | None = None, engine_python: str | None = None):
     """Run one scenario into `run_dir`; its VerdictRecord (never raises for an engine failure).
 
     `on_started(rt)` is called once the engine serves (tests use it to kill the engine).
     `engine_root`: a directory holding the `engine_stub/` to run instead of this checkout's
-    (a mutant, another commit). The run dir keeps a copy of the scenario file as it ran
+    (a mutant, another commit). `memory` overrides the scenario's memory backend (native|sglang)
+    and `engine_python` the interpreter the engine runs under (a venv with sglang; local runtime).
+    The run dir keeps a copy of the scenario file as it ran
     (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
     from canaries.runtime import get_runtime
@@ -239,7 +245,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    spec = spec_for(scenario, device)
+    spec = spec_for(scenario, device, memory)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2, default=str) + "\n", encoding="utf-8")
     with contextlib.suppress(OSError):
@@ -251,7 +257,10 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     error: str | None = None
     timed_out = False
     exit_code: int | None = None
-    rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S, engine_root=engine_root)
+    options: dict[str, Any] = {"engine_root": engine_root}
+    if engine_python:
+        options["python"] = engine_python
+    rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S, **options)
     phases: dict[str, float] = {}
     oracle = _Oracle(scenario, spec, prompts, run_dir / "events.jsonl")
 
@@ -310,6 +319,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     duration = round(time.monotonic() - started, 3)
     record.extra.update({"duration_s": duration, "run_dir": str(run_dir), "runtime": runtime,
                          "start_mode": getattr(rt, "start_mode", None), "device": device,
+                         "memory": spec["engine"].get("memory", "native"),
+                         "engine_python": engine_python,
                          "exit_code": exit_code, "phases_s": phases,
                          "repro": f"canary run {scenario.path} --runtime {runtime}"
                                   + (f" --device {device}" if device else "")})
@@ -365,7 +376,8 @@ def _cause(signum: int | None, error: BaseException | None) -> str:
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
              runtime: str = "local", device: str | None = None, progress: bool = True,
              latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None,
-             engine_root: str | os.PathLike | None = None) -> list:
+             engine_root: str | os.PathLike | None = None, memory: str | None = None,
+             engine_python: str | None = None) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
     at the end. Returns one record per scenario, in order.
 
@@ -395,7 +407,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
             return i, None, 0.0
         t0 = time.monotonic()
         record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
-                              engine_root=engine_root)
+                              engine_root=engine_root, memory=memory, engine_python=engine_python)
         return i, record, time.monotonic() - t0
 
     def append(record: Any, *, tolerant: bool) -> None:

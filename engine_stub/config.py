@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 KNOB_HELP: dict[str, str] = {
     "device": "auto | cpu | cuda (auto: cuda when available)",
+    "memory": "native (our copy of SGLang's allocator) | sglang (SGLang's own, from an installed sglang)",
     "page_size": "slots per KV page, both pools",
     "window": "sliding-window size in tokens of the SWA layers",
     "full_pool_tokens": "slots in the full-attention KV pool",
@@ -52,6 +53,7 @@ KNOB_HELP: dict[str, str] = {
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
+    "memory": ("native", "sglang"),
     "invariant_check": ("off", "warn", "strict"),
     "kv_canary": ("off", "log", "raise"),
 }
@@ -62,6 +64,7 @@ class EngineConfig:
     """The engine's knobs. Validated on construction; `ConfigError` names the field."""
 
     device: str = "auto"
+    memory: str = "native"
     page_size: int = 1
     window: int = 16
     full_pool_tokens: int = 2048

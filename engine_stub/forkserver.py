@@ -19,6 +19,7 @@ outlives its harness.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -38,6 +39,7 @@ from engine_stub.__main__ import main as engine_main
 __all__ = ["READY_LINE", "serve"]
 
 READY_LINE = "engine_stub forkserver ready"
+PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"
 
 
 def _child(request: dict, conn: socket.socket, closing: list, fds: tuple[int, ...]) -> None:
@@ -83,8 +85,18 @@ def _send(conn: socket.socket, message: dict) -> None:
         conn.sendall((json.dumps(message) + "\n").encode())
 
 
+def _preload() -> None:
+    """Import the extra modules the harness named (e.g. SGLang's allocator: seconds to import)."""
+    for name in filter(None, os.environ.pop(PRELOAD_ENV, "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the engine reports it where it needs the module
+            print(f"engine_stub forkserver: could not preload {name}: {exc}", file=sys.stderr)
+
+
 def serve(socket_path: str) -> int:
     """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit."""
+    _preload()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -66,6 +66,17 @@ class CanaryRaised(RuntimeError):
         self.violations = violations
 
 
+def _memory_backend(name: str):
+    """The hybrid allocator class of a `memory` knob value: ours, or SGLang's own behind an
+    adapter (imported only when chosen: it needs an installed sglang)."""
+    if name == "sglang":
+        from engine_stub.mem.sglang_backend import SGLangSWAAllocator, set_level_from
+
+        set_level_from()
+        return SGLangSWAAllocator
+    return SWATokenToKVPoolAllocator
+
+
 def _page_floor(n: int, page: int) -> int:
     return n - n % page
 
@@ -93,10 +104,12 @@ class Scheduler:
         )
         # need_sort=False: SGLang's value outside PD disaggregation. The allocator registers its
         # mapping with the KV pool.
-        self.allocator = SWATokenToKVPoolAllocator(
+        self.allocator = _memory_backend(config.memory)(
             config.full_pool_tokens, config.swa_pool_tokens, config.page_size, self.device,
             dtype=self.kv_pool.dtype, kvcache=self.kv_pool, need_sort=False,
         )
+        # SGLang's own invariant counters, read back with ours (the sglang backend only).
+        self._extra_counters = getattr(self.allocator, "invariant_counters", None)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
         self.model = TinyHybridModel(
             ModelConfig(config.layer_pattern, config.window, config.hidden_size, config.num_heads, config.seed),
@@ -500,6 +513,11 @@ class Scheduler:
         synchronization to the step.
         """
         names, counters = counter_snapshot()
+        if self._extra_counters is not None:
+            extra_names, extra = self._extra_counters()
+            if extra is not None:
+                names = [*names, *extra_names]
+                counters = extra if counters is None else torch.cat([counters, extra.to(counters.device)])
         canary_counts = self.canary.pending_counts()
         parts = [sampled.to(torch.int64), self.allocator.drop_counter().to(sampled.device)]
         parts += [t.to(sampled.device) for t in (counters, canary_counts) if t is not None]

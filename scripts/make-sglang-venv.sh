@@ -62,6 +62,8 @@ SGLANG_PINS=(
     compressed-tensors==0.18.0 loguru==0.7.3                          # layers.quantization
     gguf==0.19.0                                                      # layers.quantization.gguf
 )
+# What engine_stub itself needs to serve from this venv (--engine-python): its HTTP stack.
+ENGINE_PINS=(fastapi==0.165.0 uvicorn==0.54.0 click==8.5.1 annotated-doc==0.0.7 opentelemetry-api==1.45.2)
 
 log() { printf 'make-sglang-venv: %s\n' "$*" >&2; }
 
@@ -98,6 +100,8 @@ fi
 # ---- 2. sglang and its import closure, no dependency resolution ------------------------------
 log "installing sglang==0.5.23 and its import closure (${#SGLANG_PINS[@]} pins, --no-deps)"
 "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${SGLANG_PINS[@]}"
+log "installing the engine's own HTTP stack (${ENGINE_PINS[*]}, --no-deps)"
+"${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${ENGINE_PINS[@]}"
 
 # ---- 3. the CUDA-library stand-ins that let PyPI's torchvision load over a CPU torch ----------
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -214,6 +218,8 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.utils import invariants
+
+import fastapi, uvicorn, yaml  # noqa: E401,F401 - the engine serves from this venv too
 
 total = time.perf_counter() - t0
 assert torch.version.cuda is None and torch.__version__ == "2.13.0+cpu", torch.__version__

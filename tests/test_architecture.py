@@ -49,6 +49,8 @@ ALLOWED = {
     "engine_stub.synccheck": set(),
     "engine_stub.config": set(),
     "engine_stub.req": set(),
+    # The sglang backend maps SGLang's firings onto catalogued detectors.
+    "engine_stub.mem.sglang_backend": {"engine_stub.invariants", "engine_stub.mem", "engine_stub.detectors"},
     "engine_stub.mem": {"engine_stub.invariants", "engine_stub.mem"},
     "engine_stub.model": {"engine_stub.mem"},
     "engine_stub.kv_canary": {"engine_stub.mem"},

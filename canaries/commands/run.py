@@ -42,6 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")
     run_.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     run_.add_argument("--shard", metavar="I/N", help="run every Nth scenario starting at I-1")
+    run_.add_argument("--memory", choices=("native", "sglang"), default=None,
+                      help="override every scenario's memory backend: native (our copy) or sglang "
+                           "(SGLang's own allocator; needs --engine-python with sglang installed)")
+    run_.add_argument("--engine-python", metavar="PATH", default=None,
+                      help="the interpreter engines run under (local runtime), e.g. "
+                           ".venv-sglang/bin/python from scripts/make-sglang-venv.sh")
     run_.add_argument("--baseline", metavar="REPORT_DIR",
                       help="an earlier run's report: index.html gets a diff against it, and the "
                            "changes are printed (exit 1 on a regression, as for any failure)")
@@ -150,6 +156,28 @@ def _summary(records: list) -> None:
                                                          sorted(counts.items())))
 
 
+def check_engine_python(engine_python: str | None, memory: str | None, runtime: str) -> None:
+    """UsageError unless the engine interpreter exists and, for --memory sglang, imports sglang."""
+    import subprocess
+    import sys
+
+    if engine_python is not None:
+        if runtime != "local":
+            raise UsageError("--engine-python is for the local runtime")
+        if not os.access(engine_python, os.X_OK):
+            raise UsageError(f"--engine-python {engine_python}: not an executable")
+    if memory == "sglang":
+        if runtime != "local":
+            raise UsageError("--memory sglang runs on the local runtime (the engine image has no sglang)")
+        python = engine_python or sys.executable
+        probe = subprocess.run([python, "-c", "import sglang.srt.mem_cache.allocator.swa"],
+                               capture_output=True, text=True, check=False)
+        if probe.returncode != 0:
+            tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
+            raise UsageError(f"--memory sglang: {python} cannot import SGLang's allocator ({tail}); "
+                             "make a venv with scripts/make-sglang-venv.sh and pass --engine-python")
+
+
 def run(args: argparse.Namespace) -> int:
     from canaries.runner import RunInterrupted, cancel_all, default_report_dir, new_run_id, run_many
     from canaries.runtime import RUNTIMES
@@ -161,9 +189,12 @@ def run(args: argparse.Namespace) -> int:
     if args.start is not None:
         os.environ["CANARY_ENGINE_START"] = args.start  # read by every LocalRuntime of this run
     if args.runtime == "local" and os.environ.get("CANARY_ENGINE_START", "auto") != "fresh":
+        from canaries.runtime.local import PRELOAD
         from canaries.runtime.warm import prestart
 
-        prestart()  # the fork server imports torch while the scenarios load
+        # The fork server imports torch (and SGLang) while the scenarios load.
+        prestart(args.engine_python, None, PRELOAD.get(args.memory or "", ()))
+    check_engine_python(args.engine_python, args.memory, args.runtime)
     if args.baseline is not None and not (Path(args.baseline) / "verdicts.jsonl").is_file():
         raise UsageError(f"--baseline {args.baseline}: not a report directory (no verdicts.jsonl)")
     scenarios = select(load_scenarios(args.paths), args.k, args.shard)
@@ -191,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
                                    device=args.device, progress=True, latch=latch,
-                                   baseline=args.baseline)
+                                   baseline=args.baseline, memory=args.memory,
+                                   engine_python=args.engine_python)
             except RunInterrupted as exc:  # the reports are written, and say so
                 latch.ignore_on_exit()
                 _summary(exc.records)

@@ -82,19 +82,26 @@ def _read_ready_line(fd: int, timeout: float) -> str | None:
     return data.decode("utf-8", "replace")
 
 
-def _spec_device(spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
-    """The device the engine will be asked for (a --device flag, else the spec's engine.device)."""
-    flags = list(flags)
-    if "--device" in flags[:-1]:
-        return flags[flags.index("--device") + 1]
-    if spec_path is None:
-        return os.environ.get("ENGINE_STUB_DEVICE")
-    try:
-        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # a YAML scenario or an unreadable one: the engine reports it
-    engine = spec.get("engine") if isinstance(spec, dict) else None
-    return engine.get("device") if isinstance(engine, dict) else None
+def _spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
+    """The value the engine will be given for knob `name`: a `--name` flag, else the spec's
+    engine section, else its ENGINE_STUB_ variable."""
+    flags, flag = list(flags), "--" + name.replace("_", "-")
+    if flag in flags[:-1]:
+        return flags[flags.index(flag) + 1]
+    engine = None
+    if spec_path is not None:
+        try:
+            spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            spec = None  # a YAML scenario or an unreadable one: the engine reports it
+        engine = spec.get("engine") if isinstance(spec, dict) else None
+    if isinstance(engine, dict) and name in engine:
+        return engine[name]
+    return os.environ.get("ENGINE_STUB_" + name.upper())
+
+
+# Imported by a warm parent ahead of the fork when the engine will need them (they are slow).
+PRELOAD = {"sglang": ("sglang.srt.mem_cache.allocator.swa",)}
 
 
 class LocalRuntime:
@@ -151,9 +158,11 @@ class LocalRuntime:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         safety.install_sigterm_handler()
-        self.start_mode = start_mode(self.requested_start, _spec_device(spec_path, extra_flags))
+        self.start_mode = start_mode(self.requested_start, _spec_knob("device", spec_path, extra_flags))
         if self.start_mode == "warm":
-            self.proc = fork_server(self.python, self.engine_root).spawn(cmd[3:], env, self.log_path)
+            preload = PRELOAD.get(str(_spec_knob("memory", spec_path, extra_flags)), ())
+            server = fork_server(self.python, self.engine_root, preload)
+            self.proc = server.spawn(cmd[3:], env, self.log_path)
             safety.register(self)
             ready = lambda: self.proc.wait_ready(self.ready_timeout)  # noqa: E731
         else:

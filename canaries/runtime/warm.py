@@ -33,6 +33,7 @@ __all__ = ["ForkServer", "START_MODES", "WarmProcess", "close_fork_server", "eng
            "prestart", "start_mode"]
 
 START_MODES = ("auto", "warm", "fresh")
+PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"  # modules the fork server imports before forking
 SERVER_READY_TIMEOUT_S = 60.0
 
 
@@ -128,14 +129,17 @@ class WarmProcess:
 class ForkServer:
     """The harness's handle on one running fork server."""
 
-    def __init__(self, python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
+    def __init__(self, python: str | None = None, engine_root: str | os.PathLike | None = None,
+                 preload: tuple[str, ...] = ()) -> None:
         self.python = python or sys.executable
         self.engine_root = str(engine_root) if engine_root is not None else None
+        self.preload = tuple(preload)
         self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
         self.socket_path = str(self._dir / "sock")
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
+        env[PRELOAD_ENV] = ",".join(self.preload)
         self.log_path = self._dir / "forkserver.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -211,18 +215,21 @@ def _readline(stream, timeout: float) -> str:
     return stream.readline().decode("utf-8", "replace") if readable else ""
 
 
-_SERVERS: dict[tuple[str, str | None], ForkServer] = {}
+_SERVERS: dict[tuple[str, str | None, tuple[str, ...]], ForkServer] = {}
 _SERVER_LOCK = threading.Lock()
 
 
-def _key(python: str | None, engine_root: str | os.PathLike | None) -> tuple[str, str | None]:
-    return python or sys.executable, str(engine_root) if engine_root is not None else None
+def _key(python: str | None, engine_root: str | os.PathLike | None,
+         preload: tuple[str, ...] = ()) -> tuple[str, str | None, tuple[str, ...]]:
+    return python or sys.executable, str(engine_root) if engine_root is not None else None, tuple(preload)
 
 
-def fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> ForkServer:
-    """This process's fork server for `python` and the engine sources under `engine_root`
-    (None: this checkout's), started on first use (and again if it died)."""
-    key = _key(python, engine_root)
+def fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None,
+                preload: tuple[str, ...] = ()) -> ForkServer:
+    """This process's fork server for `python`, the engine sources under `engine_root` (None:
+    this checkout's) and the extra modules to `preload`, started on first use (and again if it
+    died)."""
+    key = _key(python, engine_root, preload)
     with _SERVER_LOCK:
         server = _SERVERS.get(key)
         if server is not None and not server.alive:
@@ -234,21 +241,23 @@ def fork_server(python: str | None = None, engine_root: str | os.PathLike | None
 
 
 def close_fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
-    """Stop the fork server of (`python`, `engine_root`), if one runs (e.g. a mutant's, when
+    """Stop the fork servers of (`python`, `engine_root`), if any run (e.g. a mutant's, when
     its scenarios are done)."""
+    want = _key(python, engine_root)[:2]
     with _SERVER_LOCK:
-        server = _SERVERS.pop(_key(python, engine_root), None)
-    if server is not None:
+        servers = [_SERVERS.pop(key) for key in list(_SERVERS) if key[:2] == want]
+    for server in servers:
         server.close()
 
 
-def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
+def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None,
+             preload: tuple[str, ...] = ()) -> None:
     """Start a fork server in the background (its imports overlap other work).
 
     A failure here is left for the first `fork_server()` call to raise."""
     def start() -> None:
         with contextlib.suppress(Exception):
-            fork_server(python, engine_root)
+            fork_server(python, engine_root, preload)
 
     threading.Thread(target=start, name="canary-forkserver-start", daemon=True).start()
 

@@ -1,0 +1,42 @@
+"""`canary parity`: the library on our memory path and on SGLang's own; exit 1 on an
+unexplained difference (one not recorded in configs/parity/sglang-<version>.yaml)."""
+
+from __future__ import annotations
+
+import argparse
+
+from canaries.commands.common import EXIT_FAILED, EXIT_OK, UsageError, load_scenarios
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parity = sub.add_parser("parity", help="compare verdicts on native vs SGLang's allocator")
+    parity.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
+    parity.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
+    parity.add_argument("--engine-python", metavar="PATH", required=True,
+                        help="an interpreter with sglang (scripts/make-sglang-venv.sh)")
+    parity.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
+    parity.add_argument("--report-dir", metavar="DIR", help="default: reports/parity-<run-id>/")
+    parity.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from canaries.commands.run import check_engine_python, select
+    from canaries.parity import run_parity
+    from canaries.runner import default_report_dir, new_run_id
+
+    check_engine_python(args.engine_python, "sglang", "local")
+    scenarios = select(load_scenarios(args.paths), args.k)
+    if not scenarios:
+        raise UsageError("no scenario matches the selection")
+    report = Path(args.report_dir) if args.report_dir else default_report_dir(f"parity-{new_run_id()}")
+    try:
+        result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(result.to_markdown())
+    print(f"report: {report} (parity.md, native/, sglang/)")
+    return EXIT_OK if result.ok else EXIT_FAILED

@@ -1,0 +1,146 @@
+"""`canary parity`: the same scenarios on our copy of the memory path and on SGLang's own.
+
+Runs the selection twice, `memory: native` and `memory: sglang` (the engine under an interpreter
+that has sglang), and compares each scenario's verdict, detectors and detection latency. Every
+difference must be a known divergence of that SGLang version, recorded with its reason in
+`configs/parity/sglang-<version>.yaml` (and the recorded verdict must be the one seen): anything
+else is unexplained and fails the run. Writes `parity.md` and `parity.json` beside the two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["ParityResult", "ParityRow", "expectations_path", "load_expectations", "run_parity"]
+
+PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    scenario: str
+    native: str
+    sglang: str
+    native_detectors: tuple[str, ...]
+    sglang_detectors: tuple[str, ...]
+    native_latency: int | None
+    sglang_latency: int | None
+    status: str  # same | known | unexplained
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ParityResult:
+    version: str
+    rows: list[ParityRow]
+    native_failures: list[str]
+    report_dir: Path
+
+    @property
+    def unexplained(self) -> list[ParityRow]:
+        return [r for r in self.rows if r.status == "unexplained"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.unexplained and not self.native_failures
+
+    def to_markdown(self) -> str:
+        lines = [f"# Parity: native vs SGLang {self.version}", "",
+                 "| scenario | native | sglang | detectors (native / sglang) | latency | status |",
+                 "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            dets = f"{', '.join(r.native_detectors) or '-'} / {', '.join(r.sglang_detectors) or '-'}"
+            lat = f"{r.native_latency if r.native_latency is not None else '-'} / " \
+                  f"{r.sglang_latency if r.sglang_latency is not None else '-'}"
+            status = r.status + (f": {r.reason}" if r.reason else "")
+            lines.append(f"| {r.scenario} | {r.native} | {r.sglang} | {dets} | {lat} | {status} |")
+        same = sum(r.status == "same" for r in self.rows)
+        known = sum(r.status == "known" for r in self.rows)
+        lines += ["", f"{same} same, {known} known divergences, {len(self.unexplained)} unexplained"]
+        if self.native_failures:
+            lines.append(f"native failures (fix them first): {', '.join(self.native_failures)}")
+        return "\n".join(lines) + "\n"
+
+
+def expectations_path(version: str) -> Path:
+    return PARITY_DIR / f"sglang-{version}.yaml"
+
+
+def load_expectations(version: str) -> dict[str, dict]:
+    """Known divergences of SGLang `version`: scenario -> {verdict, reason}."""
+    path = expectations_path(version)
+    if not path.is_file():
+        return {}
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    entries = doc.get("divergences") or {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or not entry.get("verdict") or not entry.get("reason"):
+            raise ValueError(f"{path}: divergence {name!r} needs a verdict and a reason")
+    return entries
+
+
+def engine_sglang_version(engine_python: str) -> str:
+    proc = subprocess.run([engine_python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine_python} has no sglang: {proc.stderr.strip()[-300:]}")
+    return proc.stdout.strip()
+
+
+def _detectors(record: Any) -> tuple[str, ...]:
+    return tuple(sorted({f.get("detector") or f.get("name") for f in (record.firings or [])
+                         if isinstance(f, dict)} - {None}))
+
+
+def _first_latency(record: Any) -> int | None:
+    values = [v for v in (record.latency or {}).values() if isinstance(v, int)]
+    return min(values) if values else None
+
+
+def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict]) -> list[ParityRow]:
+    by_name = {r.scenario: r for r in sglang}
+    rows = []
+    for n in native:
+        s = by_name.get(n.scenario)
+        if s is None:
+            continue
+        same = (n.verdict, _detectors(n)) == (s.verdict, _detectors(s))
+        known = expected.get(n.scenario)
+        if same:
+            status, reason = "same", ""
+        elif known and known.get("verdict") == s.verdict:
+            status, reason = "known", str(known["reason"]).strip()
+        else:
+            status = "unexplained"
+            reason = (f"recorded as {known['verdict']}, got {s.verdict}" if known else "")
+        rows.append(ParityRow(n.scenario, n.verdict, s.verdict, _detectors(n), _detectors(s),
+                              _first_latency(n), _first_latency(s), status, reason))
+    return rows
+
+
+def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str, *, jobs: int = 1) -> ParityResult:
+    """Run `scenarios` on both backends into `report_dir/{native,sglang}`; the comparison."""
+    from canaries.report.atomic import write_atomic
+    from canaries.runner import run_many
+
+    report_dir = Path(report_dir)
+    version = engine_sglang_version(engine_python)
+    native = run_many(scenarios, report_dir / "native", jobs=jobs, progress=False)
+    sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory="sglang",
+                      engine_python=engine_python)
+    rows = compare(native, sglang, load_expectations(version))
+    result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir)
+    write_atomic(report_dir / "parity.md", result.to_markdown().encode())
+    write_atomic(report_dir / "parity.json", json.dumps(
+        {"sglang_version": version, "rows": [r.to_dict() for r in rows],
+         "native_failures": result.native_failures, "ok": result.ok}, indent=2).encode() + b"\n")
+    return result
