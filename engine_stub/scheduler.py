@@ -198,8 +198,8 @@ class Scheduler:
             req.kv_len = seq_len
         if self.perturber is not None:
             self._hook(AfterForward(tuple(map(ReqState.of, reqs))))
-        self.canary.write(canary_reqs, token_table, self.step_no)
-        self.canary.verify("TAIL", canary_reqs, token_table, self.step_no)
+        # The new records, then the TAIL verify (one read of req_to_token, mapping and KV for both).
+        self.canary.write_and_verify_tail(canary_reqs, token_table, self.step_no)
         self._maybe_sweep()
         sampled = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs])
         next_ids = self._read_back(sampled)

@@ -170,3 +170,20 @@ def test_reference_next_tokens_agrees_with_step_by_step_generation() -> None:
     wrong = list(generated)
     wrong[5] = (wrong[5] + 1) % 256
     assert model.reference_next_tokens(prompt + wrong[:-1])[len(prompt) - 1 :][5] != wrong[5]
+
+
+def test_kv_buffers_are_views_of_one_row_per_slot_and_group() -> None:
+    """The canary hashes a slot's K/V of every layer of a group as one row of `group_kv`."""
+    pool = HybridKVPool(layer_pattern=PATTERN, full_size=8, swa_size=6, page_size=1, num_heads=2, head_dim=4,
+                        full_to_swa_index_mapping=torch.arange(10))
+    for swa in (False, True):
+        layers = pool.group_layers(swa)
+        buf = pool.group_kv(swa)
+        assert buf.shape == (pool.swa_rows if swa else pool.full_rows, len(layers), 2, 2, 4)
+        for index, layer in enumerate(layers):
+            k, v = (torch.full((1, 2, 4), value, dtype=torch.float64) for value in (float(layer), -1.0))
+            pool.set_kv(layer, torch.tensor([3]), k, v)
+            assert torch.equal(buf[3, index, 0], torch.full((2, 4), float(layer)))
+            assert torch.equal(buf[3, index, 1], torch.full((2, 4), -1.0))
+            pool.k_buffer[layer][3].view(-1).view(torch.uint8)[0] ^= 1  # what flip_kv_byte does
+            assert buf[3, index, 0].flatten()[0] != float(layer)

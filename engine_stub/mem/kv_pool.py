@@ -15,6 +15,10 @@ class HybridKVPool:
     `full_to_swa_index_mapping`, which this pool holds by identity (it is mutated in place). The
     allocator hands it over with `register_mapping` (SGLang's `BaseSWAKVPool.register_mapping`)
     when built with `kvcache=` this pool; a caller may also pass it at construction.
+
+    Storage is one buffer per group (`group_kv`), `[rows, layers_of_group, 2 (K, V), heads,
+    head_dim]`; `k_buffer[layer]` and `v_buffer[layer]` are views into it. A slot's K/V bytes of
+    every layer of a group are then one contiguous row, which the KV canary hashes with one gather.
     """
 
     def __init__(
@@ -36,14 +40,17 @@ class HybridKVPool:
         self.swa_rows = swa_size + page_size
         self.dtype = dtype
         self.full_to_swa_index_mapping = full_to_swa_index_mapping
-        shape_full = (self.full_rows, num_heads, head_dim)
-        shape_swa = (self.swa_rows, num_heads, head_dim)
+        self._group_kv = {
+            swa: torch.zeros((self.swa_rows if swa else self.full_rows, self.is_swa_layer.count(swa), 2,
+                              num_heads, head_dim), dtype=dtype, device=device)
+            for swa in (False, True)
+        }
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
-        for is_swa in self.is_swa_layer:
-            shape = shape_swa if is_swa else shape_full
-            self.k_buffer.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v_buffer.append(torch.zeros(shape, dtype=dtype, device=device))
+        for layer, is_swa in enumerate(self.is_swa_layer):
+            index = self.is_swa_layer[:layer].count(is_swa)  # the layer's place in its group
+            self.k_buffer.append(self._group_kv[is_swa][:, index, 0])
+            self.v_buffer.append(self._group_kv[is_swa][:, index, 1])
 
     def register_mapping(self, full_to_swa_index_mapping: torch.Tensor) -> None:
         """Hold the allocator's mapping (by identity) for the SWA layers' translation."""
@@ -66,3 +73,8 @@ class HybridKVPool:
 
     def group_layers(self, swa: bool) -> list[int]:
         return [i for i, is_swa in enumerate(self.is_swa_layer) if is_swa == swa]
+
+    def group_kv(self, swa: bool) -> torch.Tensor:
+        """The group's buffer `[rows, len(group_layers(swa)), 2, heads, head_dim]`: row r holds
+        K then V of each of the group's layers, in layer order."""
+        return self._group_kv[swa]
