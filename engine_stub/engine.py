@@ -161,6 +161,7 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self.scheduler.close_tracking()
         self.events.write("shutdown", durable=True, completed=self.completed, received=self.received)
         self.events.close()
         set_firing_sink(None)

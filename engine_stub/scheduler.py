@@ -110,6 +110,11 @@ class Scheduler:
         )
         # SGLang's own invariant counters, read back with ours (the sglang backend only).
         self._extra_counters = getattr(self.allocator, "invariant_counters", None)
+        # With a scenario loaded, every landing's damage is followed until read or dead; the
+        # allocator then reports its reads and frees (perturb/reach.py). Without one: nothing.
+        self.reach = perturber.attach(self) if perturber is not None else None
+        if self.reach is not None:
+            self.allocator = perturber.tracking(self.allocator)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
         self.model = TinyHybridModel(
             ModelConfig(config.layer_pattern, config.window, config.hidden_size, config.num_heads, config.seed),
@@ -193,13 +198,20 @@ class Scheduler:
         batch, canary_reqs = self._forward_batch(kind, reqs)
         token_table = self.req_to_token_pool.req_to_token
         self.canary.verify("HEAD", canary_reqs, token_table, self.step_no)
+        reach = self.reach if self.reach is not None and self.reach.open else None
+        if reach is not None:
+            self._observe(reach, "head", reqs, batch)
         logits = self.model.forward(batch, self.kv_pool, token_table)
+        if reach is not None:
+            self._observe(reach, "forward", reqs, batch)
         for req, seq_len in zip(reqs, batch.seq_lens, strict=True):
             req.kv_len = seq_len
         if self.perturber is not None:
             self._hook(AfterForward(tuple(map(ReqState.of, reqs))))
         # The new records, then the TAIL verify (one read of req_to_token, mapping and KV for both).
         self.canary.write_and_verify_tail(canary_reqs, token_table, self.step_no)
+        if self.reach is not None and self.reach.open:
+            self._observe(self.reach, "tail", reqs, batch)
         self._maybe_sweep()
         sampled = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs])
         next_ids = self._read_back(sampled)
@@ -221,6 +233,17 @@ class Scheduler:
             with self._free_group():
                 for req in finished:
                     self._finish(req)
+
+    def _observe(self, reach: Any, phase: str, reqs: list[Req], batch: ForwardBatch) -> None:
+        """What this batch's reader (`phase`: head, forward, tail) touches, for reachability."""
+        reach.batch(phase, batch.req_pool_indices, batch.prefix_lens, batch.seq_lens,
+                    self.req_to_token_pool.req_to_token, self.allocator.full_to_swa_index_mapping,
+                    [r.rid for r in reqs], out_slots=batch.out_cache_loc if phase == "forward" else None)
+
+    def close_tracking(self) -> None:
+        """The engine stops: whatever damage nothing read died unread (reachability)."""
+        if self.reach is not None:
+            self.reach.close()
 
     @contextlib.contextmanager
     def _free_group(self) -> Iterator[None]:
@@ -345,6 +368,8 @@ class Scheduler:
         if prefix_len:
             self.req_to_token_pool.write(req.row, 0, match.slots)
         self.req_to_token_pool.write(req.row, prefix_len, slots)
+        if self.reach is not None:
+            self.reach.table_written(req.row, 0, req.prompt_len)
         req.lock = lock
         req.cache_protected_len = prefix_len
         req.swa_evicted_seqlen = prefix_len
@@ -397,6 +422,8 @@ class Scheduler:
         self._evict_tree(len(reqs) * self.page_size)
         slots = self._alloc_decode(reqs, rows)
         if slots is None:
+            if self.reach is not None:
+                self.reach.read([("count", "full"), ("count", "swa")], "a decode allocation that found a pool dry")
             self.events.write("decode_stall", running=len(reqs),
                               full_available=self.allocator.full_available_size(),
                               swa_available=self.allocator.swa_available_size())
@@ -448,6 +475,8 @@ class Scheduler:
             if new_frontier <= frontier:
                 continue
             slots = table[req.row, frontier:new_frontier].to(torch.int64)
+            if self.reach is not None:
+                self.reach.table_read(req.row, req.rid, frontier, new_frontier, "window eviction")
             if self.perturber is None:
                 self.allocator.free_swa(slots)
             else:
@@ -472,6 +501,8 @@ class Scheduler:
         if effect.free_full_again is not None:
             self.allocator.free_full(effect.free_full_again)
         self.stats["finished_requests"] += 1
+        if self.reach is not None:
+            self.reach.finished(req.rid)
         self.events.write("request_finished", rid=req.rid, output_len=len(req.output_ids),
                           admitted_step=req.admitted_step, finish_reason=req.finish_reason)
         if req.on_finish is not None:
@@ -481,6 +512,8 @@ class Scheduler:
         page = self.page_size
         kv_len = req.kv_len
         slots = self.req_to_token_pool.req_to_token[req.row, :kv_len].to(torch.int64)
+        if self.reach is not None:
+            self.reach.table_read(req.row, req.rid, 0, kv_len, "the release of a finished request")
         frontier = req.swa_evicted_seqlen
         if self.tree_cache is None:
             self.allocator.free_full(slots[:frontier])
@@ -503,7 +536,10 @@ class Scheduler:
         cfg = self.config
         if cfg.kv_canary != "off" and self.tree_cache is not None and cfg.kv_canary_sweep_interval:
             if self.step_no % cfg.kv_canary_sweep_interval == 0:
-                self.canary.sweep(self.tree_cache.cached_paths(), self.step_no)
+                paths = self.tree_cache.cached_paths()
+                self.canary.sweep(paths, self.step_no)
+                if self.reach is not None:
+                    self.reach.sweep(paths, self.allocator.full_to_swa_index_mapping)
 
     def _read_back(self, sampled: torch.Tensor) -> list[int]:
         """The step's one device-to-host copy: sampled tokens, invariant counters, canary counts.
@@ -550,6 +586,9 @@ class Scheduler:
 
     def idle_tick(self) -> dict:
         """Check the conservation ledgers and the radix cache; returns the results."""
+        if self.reach is not None and self.reach.open:
+            held = self.tree_cache.held_slots().tolist() if self.tree_cache is not None else []
+            self.reach.idle(held)
         return self.idle.check()
 
     # ---- perturbation hooks --------------------------------------------------------------------

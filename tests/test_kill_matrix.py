@@ -33,7 +33,8 @@ def test_matrix_counts_detections_after_landing_and_lists_the_gaps(tmp_path: Pat
     table = (tmp_path / "kill_matrix.md").read_text()
     assert "| strip_swa_mapping | 1 | 2 |" in table
     assert kill_matrix([]) == {"kinds": [], "detectors": [], "cells": {}, "detectors_never_fired": [],
-                               "scenarios_killing_nothing": [], "interrupted": None}
+                               "scenarios_killing_nothing": [], "scenarios_not_reached": [],
+                               "interrupted": None}
 
 
 def test_matrix_of_an_interrupted_run_says_so_and_blames_no_cut_off_scenario(tmp_path: Path) -> None:
@@ -50,3 +51,12 @@ def test_matrix_of_an_interrupted_run_says_so_and_blames_no_cut_off_scenario(tmp
     first = (tmp_path / "kill_matrix.md").read_text().splitlines()[0]
     assert "INCOMPLETE" in first and "interrupted (SIGINT)" in first and "later" in first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kill_matrix.json", "kill_matrix.md"]
+
+
+def test_matrix_tells_a_not_reached_scenario_from_a_detector_gap() -> None:
+    landed = [{"perturbation": "flip_kv_byte", "index": 0, "step": 3}]
+    records = [{"scenario": "vacuous", "verdict": "NOT_REACHED", "landed": landed, "firings": []},
+               {"scenario": "blind", "verdict": "MISSED", "landed": landed, "firings": []}]
+    matrix = kill_matrix(records)
+    assert matrix["scenarios_not_reached"] == ["vacuous"]
+    assert matrix["scenarios_killing_nothing"] == ["blind"]

@@ -28,6 +28,7 @@ def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = (),
     cut_off = set(interruption.interrupted) if interruption is not None else set()
     cells: dict[str, dict[str, list[str]]] = {}
     killed_nothing: list[str] = []
+    not_reached: list[str] = []
     fired: set[str] = set()
     for record in map(as_dict, records):
         kinds = sorted({landed.get("perturbation") for landed in record.get("landed", [])} - {None})
@@ -35,7 +36,9 @@ def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = (),
                             if f.get("latency") is not None and f["latency"] >= 0})
         fired.update(detectors)
         if kinds and not detectors and record["scenario"] not in cut_off:
-            killed_nothing.append(record["scenario"])
+            # Killing nothing is a detector gap only if the damage was read (else NOT_REACHED:
+            # the scenario's fault).
+            (not_reached if record.get("verdict") == "NOT_REACHED" else killed_nothing).append(record["scenario"])
         for kind in kinds:
             row = cells.setdefault(kind, {})
             for detector in detectors:
@@ -47,6 +50,7 @@ def kill_matrix(records: Iterable[Any], known_detectors: Iterable[str] = (),
         "cells": cells,
         "detectors_never_fired": sorted(set(known_detectors) - fired),
         "scenarios_killing_nothing": killed_nothing,
+        "scenarios_not_reached": not_reached,
         "interrupted": interruption.to_dict() if interruption is not None else None,
     }
 
@@ -65,6 +69,8 @@ def _markdown(matrix: dict) -> str:
     lines.append(f"detectors nothing fired: {', '.join(matrix['detectors_never_fired']) or 'none'}")
     lines.append(f"scenarios whose perturbation killed nothing: "
                  f"{', '.join(matrix['scenarios_killing_nothing']) or 'none'}")
+    lines.append(f"scenarios whose damage nothing read (NOT_REACHED): "
+                 f"{', '.join(matrix.get('scenarios_not_reached', [])) or 'none'}")
     return "\n".join(lines) + "\n"
 
 

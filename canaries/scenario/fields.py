@@ -50,7 +50,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 # The verdicts a run can get (`expect.verdict` names one; canaries/verdict judges them).
 VERDICTS = ("DETECTED", "DISABLED_AS_DECLARED", "CLEAN", "MISSED", "WRONG_DETECTOR", "LATE",
-            "FALSE_ALARM", "NOT_INJECTED", "INCONCLUSIVE")
+            "FALSE_ALARM", "NOT_INJECTED", "NOT_REACHED", "INCONCLUSIVE")
 PASSING = frozenset({"DETECTED", "DISABLED_AS_DECLARED", "CLEAN"})
 ENGINE_OUTCOMES = ("crashes", "survives")
 # Knobs the harness owns (where the engine listens and logs, the lockstep gate), and the seed,

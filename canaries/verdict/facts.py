@@ -42,6 +42,8 @@ class Facts:
     early: frozenset[str]
     detected: dict[str, int]
     wrong_bucket: dict[str, str]
+    consumed: tuple[dict, ...] = ()  # perturbation_consumed events: damage something read
+    died: tuple[dict, ...] = ()  # perturbation_died events: damage gone unread
 
     @property
     def expect(self) -> Expect:
@@ -119,4 +121,6 @@ def facts_of(s: Scenario, obs: Observation) -> Facts:
         outcome=_engine_outcome(obs, crash, shutdown), firings=firings,
         fired=frozenset(fired), early=frozenset(early), detected=detected,
         wrong_bucket=wrong_bucket,
+        consumed=tuple(e for e in events if e.get("kind") == "perturbation_consumed"),
+        died=tuple(e for e in events if e.get("kind") == "perturbation_died"),
     )

@@ -20,8 +20,11 @@ the next). In order:
 9. `crash_expectation`: `expect.engine` (crashes|survives) mismatched -> INCONCLUSIVE.
 10. `as_expected`: DISABLED_AS_DECLARED, or DETECTED with each detector's latency in steps.
 
-Then `negative_test`: with `expect.verdict` set, passed = (verdict == expect.verdict);
-otherwise passed = verdict in PASSING.
+Then `unreached`: a MISSED whose damage nothing ever read (the engine followed every damaged
+location: `perturbation_died` for each, `perturbation_consumed` for none) -> NOT_REACHED: no
+detector could have seen it, so the scenario, not a detector, is at fault. And `negative_test`:
+with `expect.verdict` set, passed = (verdict == expect.verdict); otherwise passed = verdict in
+PASSING.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from canaries.verdict.record import Observation, VerdictRecord
 if TYPE_CHECKING:
     from canaries.scenario import Scenario
 
-__all__ = ["RULES", "judge", "steps_after"]
+__all__ = ["RULES", "judge", "steps_after", "unreached"]
 
 Decision = tuple[str, str]
 Rule = Callable[[Facts], "Decision | None"]
@@ -192,6 +195,15 @@ RULES: tuple[Rule, ...] = (run_told_nothing, clean_control, not_injected, silent
                            crash_expectation)
 
 
+def unreached(f: Facts, verdict: str, reason: str) -> Decision:
+    """MISSED -> NOT_REACHED when every damage died unread (see the module docstring)."""
+    if verdict != "MISSED" or f.consumed or not f.died:
+        return verdict, reason
+    how = sorted({str(e.get("by")) for e in f.died})
+    return "NOT_REACHED", (f"every damage died unread ({len(f.died)} location(s): {'; '.join(how)}), "
+                           f"so no detector could have seen it; was: {reason}")
+
+
 def negative_test(f: Facts, verdict: str, reason: str) -> tuple[bool, str]:
     """(passed, reason): a negative test passes on exactly its expected verdict."""
     want = f.expect.verdict
@@ -205,6 +217,7 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
     f = facts_of(s, obs)
     verdict, reason = next((d for rule in RULES if (d := rule(f)) is not None), None) \
         or as_expected(f)
+    verdict, reason = unreached(f, verdict, reason)
     passed, reason = negative_test(f, verdict, reason)
     expected = tuple(s.expect.fires) + tuple(s.expect.detected_by)
     first_kind = s.perturbations[0].kind if s.perturbations else "control"

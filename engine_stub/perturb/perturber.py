@@ -46,6 +46,7 @@ class Perturber:
         self.sites = {a.kind.site for a in self.armed}
         self._events_seen: set[str] = set()
         self._view: SchedulerView | None = None
+        self.reach: Any = None  # the ReachTracker, once a scheduler attaches
 
     def _view_of(self, sched: Scheduler) -> SchedulerView:
         if self._view is None:
@@ -108,7 +109,27 @@ class Perturber:
                                perturbation=armed.spec.kind, site=site.value,
                                landing=armed.landings, **landing.digest,
                                damage=[d.to_dict() for d in landing.damage])
+            if self.reach is not None:
+                self.reach.track(armed.index, armed.landings, landing.damage)
         return effect
+
+    def attach(self, sched: Scheduler) -> Any:
+        """The reachability tracker of this engine (perturb/reach.py), made once: it follows
+        every landing's damage until it is read or dies."""
+        if self.reach is None:
+            from engine_stub.perturb.reach import ReachTracker  # torch: engine side only
+
+            cfg = sched.config
+            self.reach = ReachTracker(sched.events.write)
+            self.reach.configure(window=cfg.window, page_size=cfg.page_size,
+                                 layer_pattern=cfg.layer_pattern, canary=cfg.kv_canary != "off")
+        return self.reach
+
+    def tracking(self, allocator: Any) -> Any:
+        """`allocator`, reporting its reads, frees and re-pairings to the tracker."""
+        from engine_stub.perturb.reach import TrackingAllocator
+
+        return TrackingAllocator(allocator, self.reach)
 
     @staticmethod
     def _check(armed: _Armed, hook: SiteContext, landing: Landing) -> None:

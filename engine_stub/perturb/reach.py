@@ -1,0 +1,319 @@
+"""Reachability: every damaged location is followed until something reads it or it dies unread.
+
+Each `Damage` of a landing becomes one or more *locations* (a req_to_token entry, a mapping entry,
+a KV row of a pool, a pool's accounting, a free-list entry, a request's frontier or its next
+input token). The scheduler reports what it reads and what it overwrites or frees; the first read
+of a location consumes its damage (`perturbation_consumed`: step and by what), and a damage all of
+whose locations were killed first died unread (`perturbation_died`). What nothing read by the
+time the engine stops died then. A scenario none of whose damage was consumed could not have been
+detected: it is NOT_REACHED, not MISSED.
+
+Readers: a forward (full layers read every position below seq_len, SWA layers the window before
+each query: `q - window < key_pos <= q`, through the mapping), the KV canary (HEAD: positions and
+chains, TAIL and SWEEP also the KV bytes), window eviction and release (they read req_to_token
+rows and the frontier), `free_swa` (the mapping), `free_full` (the free list, and its guard the
+mapping), the radix cache's tombstone recovery (the mapping), the idle check (pool accounting
+and the held slots' mapping). Killers: a forward's KV writes, frees (a freed row's bytes are
+garbage), an allocation re-pairing a slot, a row handed to a new request, a request finishing
+(its next input token is never fed).
+
+It exists only with a scenario loaded (the perturber owns it): without one the scheduler holds
+no tracker and calls nothing. Observations read tensors back to the host (only in perturbed runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine_stub.perturb.contract import Damage
+
+__all__ = ["ReachTracker", "TrackingAllocator", "locations_of"]
+
+Location = tuple
+
+
+def locations_of(damage: Damage) -> tuple[Location, ...]:
+    """The locations whose first read consumes `damage` (empty: consumed at once)."""
+    kind = damage.kind
+    if kind == "req_to_token":
+        return (("table", damage.row, damage.position),)
+    if kind == "mapping":
+        return (("mapping", damage.slot),)
+    if kind == "kv_bytes":
+        return (("kv", damage.pool, damage.pool_row),)
+    if kind == "free_list":
+        if damage.detail == "freed_twice":
+            return (("free", damage.pool, damage.slot),)
+        if damage.detail == "freed_in_window":
+            # The position lost its SWA peer: consumed when a reader goes through the mapping
+            # for it (not by the free that did the damage).
+            return (("swa_read", damage.slot),)
+        # kept: the slots stay taken; accounting reads it (and for SWA peers, the mapping)
+        extra = (("mapping", damage.slot),) if damage.pool == "swa" and damage.slot else ()
+        return (("count", damage.pool), *extra)
+    if kind == "frontier":
+        return (("frontier", damage.request),)
+    if kind == "sampled_token":
+        return (("token", damage.request, damage.position),)
+    return ()  # a switch: the code it flips runs at once
+
+
+@dataclass
+class _Tracked:
+    index: int
+    landing: int
+    number: int  # its place in the landing's damage list
+    kind: str
+    locations: frozenset
+    killed: set = field(default_factory=set)
+
+
+def _ints(values: Any) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return [int(v) for v in values]
+
+
+class ReachTracker:
+    """Follows the damage of one engine's landings.
+
+    Args:
+        write: the event sink, `write(kind, **fields)` (the engine's event log).
+    """
+
+    def __init__(self, write: Callable[..., None]) -> None:
+        self._write = write
+        self._tracked: dict[int, _Tracked] = {}
+        self._by_location: dict[Location, set[int]] = {}
+        self._next = 0
+        self.window = 0
+        self.page_size = 1
+        self.has_full_layers = True
+        self.has_swa_layers = True
+        self.canary = False
+
+    def configure(self, *, window: int, page_size: int, layer_pattern: str, canary: bool) -> None:
+        self.window, self.page_size = window, page_size
+        self.has_full_layers, self.has_swa_layers = "F" in layer_pattern, "S" in layer_pattern
+        self.canary = canary
+
+    @property
+    def open(self) -> bool:
+        """Whether any damage is still unresolved (observations cost nothing otherwise)."""
+        return bool(self._tracked)
+
+    def _wanted(self, tag: str) -> bool:
+        return any(loc[0] == tag for loc in self._by_location)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def track(self, index: int, landing: int, damage: Sequence[Damage]) -> None:
+        for number, d in enumerate(damage):
+            locations = locations_of(d)
+            if not locations:
+                self._emit("perturbation_consumed", index, landing, number, d.kind, "the landing itself")
+                continue
+            key = self._next
+            self._next += 1
+            self._tracked[key] = _Tracked(index, landing, number, d.kind, frozenset(locations))
+            for loc in locations:
+                self._by_location.setdefault(loc, set()).add(key)
+
+    def _emit(self, event: str, index: int, landing: int, number: int, kind: str, by: str) -> None:
+        self._write(event, index=index, landing=landing, damage=number, damage_kind=kind, by=by)
+
+    def _forget(self, key: int) -> _Tracked:
+        item = self._tracked.pop(key)
+        for loc in item.locations:
+            keys = self._by_location.get(loc)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_location[loc]
+        return item
+
+    def read(self, locations: Iterable[Location], by: str) -> None:
+        """The first read of a tracked location consumes its damage."""
+        for loc in locations:
+            for key in sorted(self._by_location.get(loc, ())):
+                item = self._forget(key)
+                self._emit("perturbation_consumed", item.index, item.landing, item.number, item.kind, by)
+
+    def kill(self, locations: Iterable[Location], by: str) -> None:
+        """Overwritten or freed before any read: a damage dies once all its locations have."""
+        for loc in locations:
+            for key in sorted(self._by_location.get(loc, ())):
+                item = self._tracked[key]
+                item.killed.add(loc)
+                if item.killed >= item.locations:
+                    self._forget(key)
+                    self._emit("perturbation_died", item.index, item.landing, item.number, item.kind, by)
+
+    def close(self, by: str = "the engine stopped before anything read it") -> None:
+        for key in sorted(self._tracked):
+            item = self._forget(key)
+            self._emit("perturbation_died", item.index, item.landing, item.number, item.kind, by)
+
+    # ---- observations ----------------------------------------------------------------------------
+
+    def _rows_in(self, pool: str, rows: Iterable[int]) -> list[Location]:
+        return [("kv", pool, r) for r in rows]
+
+    def batch(self, phase: str, rows: Sequence[int], prefix_lens: Sequence[int], seq_lens: Sequence[int],
+              table: torch.Tensor, mapping: torch.Tensor, rids: Sequence[str],
+              out_slots: torch.Tensor | None = None) -> None:
+        """A batch's reads: `phase` head (the canary before the forward), forward (its writes
+        first, then its reads) or tail (the canary after it)."""
+        if not self._tracked:
+            return
+        window, canary = self.window, self.canary
+        if phase == "forward" and out_slots is not None:
+            slots = _ints(out_slots)
+            killed = self._rows_in("full", slots) + self._rows_in("swa", _ints(mapping[out_slots.to(torch.int64)]))
+            self.kill(killed, "overwritten by a forward's KV write")
+        if phase in ("head", "tail") and not canary:
+            return
+        by = {"head": "the KV canary (HEAD)", "forward": "a forward", "tail": "the KV canary (TAIL)"}[phase]
+        for row, rid, lo_new, seq in zip(rows, rids, prefix_lens, seq_lens, strict=True):
+            upto = lo_new if phase == "head" else seq
+            # Full group: every position below `upto`; SWA group: the window the reader covers.
+            if phase == "forward":
+                full_lo = 0 if self.has_full_layers else upto
+                swa_lo = max(0, lo_new - window + 1) if self.has_swa_layers else upto
+            else:
+                full_lo, swa_lo = 0, max(0, upto - window)
+            reads: list[Location] = [("table", row, p) for p in range(min(full_lo, swa_lo), upto)]
+            if phase == "forward":
+                reads.append(("token", rid, lo_new))
+            full_slots = _ints(table[row, full_lo:upto]) if full_lo < upto else []
+            swa_slots = _ints(table[row, swa_lo:upto]) if swa_lo < upto else []
+            if phase != "head":  # HEAD checks chains and positions, not the KV bytes
+                reads += self._rows_in("full", full_slots)
+                if swa_slots:
+                    reads += self._rows_in("swa", _ints(mapping[torch.tensor(swa_slots, dtype=torch.int64)]))
+            reads += [loc for s in swa_slots for loc in (("mapping", s), ("swa_read", s))]
+            self.read(reads, by)
+
+    def sweep(self, paths: Sequence[Any], mapping: torch.Tensor) -> None:
+        if not self._tracked:
+            return
+        reads: list[Location] = []
+        for path in paths:
+            slots = _ints(path.slots)
+            live = [s for s, ok in zip(slots, _ints(path.swa_live), strict=True) if ok]
+            reads += self._rows_in("full", slots) + [loc for s in live for loc in (("mapping", s), ("swa_read", s))]
+            if live:
+                reads += self._rows_in("swa", _ints(mapping[torch.tensor(live, dtype=torch.int64)]))
+        self.read(reads, "the KV canary (SWEEP)")
+
+    def table_read(self, row: int, rid: str, lo: int, hi: int, by: str) -> None:
+        if self._tracked:
+            self.read([("table", row, p) for p in range(lo, hi)] + [("frontier", rid)], by)
+
+    def table_written(self, row: int, lo: int, hi: int) -> None:
+        if self._tracked:
+            self.kill([("table", row, p) for p in range(lo, hi)], "its row was handed to a new request")
+
+    def finished(self, rid: str) -> None:
+        if self._tracked and self._wanted("token"):
+            self.kill([loc for loc in self._by_location if loc[0] == "token" and loc[1] == rid],
+                      "its request finished before the token was fed")
+
+    def idle(self, held_slots: Sequence[int]) -> None:
+        if self._tracked:
+            self.read([("count", "full"), ("count", "swa")] + [("mapping", s) for s in held_slots],
+                      "the idle check")
+
+
+class TrackingAllocator:
+    """The scheduler's allocator, reporting to a `ReachTracker` what each call reads, frees and
+    re-pairs; everything else is the allocator's own (attributes included)."""
+
+    def __init__(self, inner: Any, tracker: ReachTracker) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_tracker", tracker)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+    def _pages(self, slots: torch.Tensor) -> list[int]:
+        page = self._inner.page_size
+        ids = _ints(slots)
+        if page == 1:
+            return ids
+        return sorted({p // page * page + k for p in ids for k in range(page)})
+
+    def _swa_rows(self, slots: list[int]) -> list[int]:
+        if not slots:
+            return []
+        return _ints(self._inner.full_to_swa_index_mapping[torch.tensor(slots, dtype=torch.int64)])
+
+    def _before_free_swa(self, slots: torch.Tensor, by: str) -> None:
+        tracker = self._tracker
+        if tracker.open and slots.numel():
+            full = self._pages(slots)
+            rows = [r for r in self._swa_rows(full) if r > 0]
+            tracker.read([("mapping", s) for s in full] + [("free", "swa", s) for s in full], by)
+            tracker.kill([("kv", "swa", r) for r in rows] + [("mapping", s) for s in full],
+                         "its SWA row was freed")
+
+    def _before_free_full(self, slots: torch.Tensor, by: str) -> None:
+        tracker = self._tracker
+        if tracker.open and slots.numel():
+            full = _ints(slots)
+            tracker.read([("mapping", s) for s in full] + [("free", "full", s) for s in full], by)
+            tracker.kill([("kv", "full", s) for s in full] + [("swa_read", s) for s in full],
+                         "its full slot was freed")
+
+    def _allocated(self, full: torch.Tensor | None) -> torch.Tensor | None:
+        tracker = self._tracker
+        if tracker.open and full is not None and full.numel():
+            slots = _ints(full)
+            tracker.kill([("mapping", s) for s in slots] + [("kv", "full", s) for s in slots]
+                         + [("swa_read", s) for s in slots]
+                         + [("kv", "swa", r) for r in self._swa_rows(slots)], "reallocated")
+        return full
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self._before_free_swa(free_index, "free (its SWA side)")
+        self._before_free_full(free_index, "free (its full side)")
+        self._inner.free(free_index)
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        self._before_free_swa(free_index, "free_swa")
+        self._inner.free_swa(free_index)
+
+    def free_full(self, free_index: torch.Tensor) -> None:
+        self._before_free_full(free_index, "free_full")
+        self._inner.free_full(free_index)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self._allocated(self._inner.alloc(need_size))
+
+    def alloc_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return self._allocated(self._inner.alloc_extend(*args, **kwargs))
+
+    def alloc_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return self._allocated(self._inner.alloc_decode(*args, **kwargs))
+
+    def translate_loc_from_full_to_swa(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        if self._tracker.open:
+            self._tracker.read([("mapping", s) for s in _ints(kv_indices)], "the radix cache")
+        return self._inner.translate_loc_from_full_to_swa(kv_indices)
+
+    def set_full_to_swa_mapping(self, full_indices: torch.Tensor, swa_indices: torch.Tensor) -> None:
+        if self._tracker.open:
+            self._tracker.kill([("mapping", s) for s in _ints(full_indices)], "re-paired")
+        self._inner.set_full_to_swa_mapping(full_indices, swa_indices)
+
+    def clear_full_to_swa_mapping(self, full_indices: torch.Tensor) -> None:
+        if self._tracker.open:
+            self._tracker.kill([("mapping", s) for s in _ints(full_indices)], "cleared")
+        self._inner.clear_full_to_swa_mapping(full_indices)
