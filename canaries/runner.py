@@ -257,6 +257,17 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     error: str | None = None
     timed_out = False
     exit_code: int | None = None
+    regressions = tuple(getattr(scenario, "regressions", ()))
+    if regressions:
+        # A negative test: the engine runs from a copy with these catalogue entries applied.
+        from canaries.regressions import catalogue, materialize
+
+        entries = catalogue()
+        if engine_root is not None:
+            raise ValueError(f"{scenario.name}: a scenario with regressions cannot run on another engine_root")
+        engine_root = run_dir / "engine-src"
+        (run_dir / "regressions.diff").write_text(
+            materialize(engine_root, [entries[n] for n in regressions]), encoding="utf-8")
     options: dict[str, Any] = {"engine_root": engine_root}
     if engine_python:
         options["python"] = engine_python
@@ -297,6 +308,11 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     finally:
         exit_code = rt.stop(timeout=STOP_TIMEOUT_S)
         mark("stop")
+        if regressions:
+            from canaries.runtime.warm import close_fork_server
+
+            close_fork_server(engine_root=engine_root)
+            shutil.rmtree(engine_root, ignore_errors=True)
     # Checked once the engine is down: if the run stopped before, the engine may have been
     # stopped under the scenario, and whatever it left is no verdict.
     cancelled = _CANCEL.is_set()

@@ -100,3 +100,25 @@ def test_auto_mutants_are_a_seeded_sample_that_applies_to_copies(tmp_path: Path)
         diff = materialize(tmp_path / mutant.name, [mutant])
         assert diff.startswith("--- a/engine_stub/mem/req_to_token.py")
     assert _tree_digest(engine_sources()) == before, "cosmic-ray touched the checkout"
+
+
+@pytest.mark.slow
+def test_a_scenario_naming_a_regression_judges_the_broken_engine(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    from canaries.cli import main as canary
+    from canaries.scenario.yamldoc import read_doc
+
+    doc = read_doc(Path(__file__).resolve().parents[1] / "configs" / "scenarios"
+                   / "leak-request-strict-idle.yaml").data
+    doc.update(name="leak-under-a-blind-ledger", regressions=["ledgers.full-never-fails"])
+    doc["expect"]["verdict"] = "WRONG_DETECTOR"
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert canary(["run", str(path), "--report-dir", str(tmp_path / "r")]) == 0
+    run_dir = tmp_path / "r" / "leak-under-a-blind-ledger"
+    assert "FULL_LEDGER, True" in (run_dir / "regressions.diff").read_text()
+    assert json.loads((run_dir / "verdict.json").read_text())["verdict"] == "WRONG_DETECTOR"
+    assert not (run_dir / "engine-src").exists(), "the mutated copy outlived the run"

@@ -267,3 +267,20 @@ def test_canary_report_command_writes_index_html(tmp_path):
     run = report(tmp_path / "run", *BASE)
     assert canary(["report", str(run)]) == 0
     assert "<html" in (run / "index.html").read_text()
+
+
+@pytest.mark.slow
+def test_diff_of_a_run_against_a_planted_regression_exits_1_naming_scenarios_and_signatures(tmp_path, capsys):
+    from canaries.cli import main as canary
+
+    select = ["-k", "leak-request or clean-page1-radix", "--jobs", "2"]
+    assert canary(["run", *select, "--report-dir", str(tmp_path / "base")]) == 0
+    assert canary(["run", *select, "--regression", "ledgers.full-never-fails",
+                   "--report-dir", str(tmp_path / "planted")]) == 1
+    capsys.readouterr()
+    assert canary(["diff", str(tmp_path / "base"), str(tmp_path / "planted")]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSED" in out
+    assert "leak-request-strict-idle: DETECTED -> WRONG_DETECTOR" in out
+    assert "WRONG_DETECTOR|idle.swa_ledger|leak_request" in out
+    assert "clean-page1-radix" not in out.split("new failures", 1)[1].split("unchanged", 1)[0]

@@ -19,7 +19,9 @@ LIBRARY = REPO / "configs" / "scenarios"
 
 
 def _copy_scenario(name: str, tmp_path: Path, new_name: str) -> Path:
-    doc = yaml.safe_load((LIBRARY / f"{name}.yaml").read_text())
+    from canaries.scenario.yamldoc import read_doc
+
+    doc = read_doc(LIBRARY / f"{name}.yaml").data
     doc["name"] = new_name
     path = tmp_path / f"{new_name}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

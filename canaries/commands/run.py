@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--engine-python", metavar="PATH", default=None,
                       help="the interpreter engines run under (local runtime), e.g. "
                            ".venv-sglang/bin/python from scripts/make-sglang-venv.sh")
+    run_.add_argument("--regression", action="append", default=[], metavar="NAME",
+                      help="run the engine with this catalogued regression applied (a copy of its "
+                           "sources; repeatable): what a broken engine looks like to the suite")
     run_.add_argument("--baseline", metavar="REPORT_DIR",
                       help="an earlier run's report: index.html gets a diff against it, and the "
                            "changes are printed (exit 1 on a regression, as for any failure)")
@@ -156,6 +159,30 @@ def _summary(records: list) -> None:
                                                          sorted(counts.items())))
 
 
+def _planted(names: list[str]) -> Path | None:
+    """A temporary copy of the engine with the named catalogue entries applied, or None."""
+    if not names:
+        return None
+    import atexit
+    import shutil
+    import tempfile
+
+    from canaries.regressions import RegressionError, catalogue, materialize
+
+    entries = catalogue()
+    unknown = [n for n in names if n not in entries]
+    if unknown:
+        raise UsageError(f"--regression {', '.join(unknown)}: not in the catalogue "
+                         "(canary mutate --list)")
+    root = Path(tempfile.mkdtemp(prefix="canary-planted-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    try:
+        materialize(root, [entries[n] for n in names])
+    except RegressionError as exc:
+        raise UsageError(str(exc)) from None
+    return root
+
+
 def check_engine_python(engine_python: str | None, memory: str | None, runtime: str) -> None:
     """UsageError unless the engine interpreter exists and, for --memory sglang, imports sglang."""
     import subprocess
@@ -207,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             get_client().close()  # fail now, not once per scenario
         except DockerUnavailable as exc:
             raise UsageError(str(exc)) from None
+    engine_root = _planted(args.regression)
     report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
     print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
           f"report {report_dir}", flush=True)
@@ -223,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
                 records = run_many(scenarios, report_dir, jobs=args.jobs, runtime=args.runtime,
                                    device=args.device, progress=True, latch=latch,
                                    baseline=args.baseline, memory=args.memory,
-                                   engine_python=args.engine_python)
+                                   engine_python=args.engine_python, engine_root=engine_root)
             except RunInterrupted as exc:  # the reports are written, and say so
                 latch.ignore_on_exit()
                 _summary(exc.records)

@@ -191,6 +191,12 @@ EXPECT = Table((
     {"required": ["disabled", "detected_by"]},
 ]})
 
+def _regression_names() -> tuple[str, ...]:
+    from canaries.regressions import catalogue  # plain data: no torch
+
+    return tuple(sorted(catalogue()))
+
+
 SCENARIO = Table((
     Field("name", Text(pattern=NAME_RE.pattern), None,
           "unique: reports, -k selection and signatures use it"),
@@ -201,4 +207,7 @@ SCENARIO = Table((
     Field("perturbations", Perturbations(), (), "what to damage, when, and where "
                                                  "(canary list kinds)"),
     Field("expect", EXPECT, None, "what the suite must observe"),
+    Field("regressions", NameList(_regression_names, "regression"), (),
+          "catalogued regressions (canary mutate --catalogue --list) the engine runs with: the "
+          "scenario judges a deliberately broken engine (a negative test)"),
 ), required=("name", "expect"))

@@ -289,6 +289,7 @@ def _load(path: Path) -> tuple[Scenario | None, list[Problem], str | None, int |
                                                          "perturbations", doc.add)
     n_pert = len(data["perturbations"]) if isinstance(data.get("perturbations"), list) else 0
     expect = _expect(doc, data.get("expect"), engine, n_pert)
+    regressions = top("regressions", ())
 
     name_line = doc.line("name") if name is not None else None
     doc.problems.sort(key=lambda p: p.line if p.line is not None else 0)
@@ -298,7 +299,8 @@ def _load(path: Path) -> tuple[Scenario | None, list[Problem], str | None, int |
         return None, doc.problems, name, name_line
     scenario = Scenario(
         name=name, description=description, seed=seed, profile=profile, engine=engine,
-        workload=workload, perturbations=perturbations, expect=expect, path=str(path), raw=data,
+        workload=workload, perturbations=perturbations, expect=expect, path=str(path),
+        regressions=tuple(regressions), raw=data,
     )
     scenario = dataclasses.replace(scenario, warnings=_warnings(doc, data, scenario))
     return scenario, [], name, name_line

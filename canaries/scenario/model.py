@@ -122,6 +122,7 @@ class Scenario:
     perturbations: tuple[PerturbationSpec, ...]
     expect: Expect
     path: str
+    regressions: tuple[str, ...] = ()  # catalogue entries the engine runs with (negative tests)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
     warnings: tuple[Problem, ...] = field(default=(), compare=False, repr=False)
 

@@ -127,8 +127,12 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
 
     source = Path(source)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="canary-shrink-"))
+    from canaries.scenario.yamldoc import read_doc
+
     original = load_scenario(source)
-    doc: Doc = yaml.safe_load(source.read_text(encoding="utf-8"))
+    # The scenario format's own reading (`off` stays the string it means there), then plain YAML
+    # out: yaml.safe_dump quotes whatever would read back as another type.
+    doc: Doc = copy.deepcopy(read_doc(source).data)
     doc["workload"] = _workload(doc, original)
     doc["name"] = f"{original.name}-shrunk"
     counter = iter(range(10**6))
