@@ -349,15 +349,6 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
 # ---- many scenarios ----------------------------------------------------------------------------
 
 
-def _print_progress(k: int, n: int, name: str, record: Any, duration: float) -> None:
-    reason = (getattr(record, "reason", "") or "").replace("\n", " ")
-    if len(reason) > 120:
-        reason = reason[:117] + "..."
-    width = len(str(n))
-    print(f"[{k:>{width}}/{n}] {name} {record.verdict} ({duration:.1f}s) {reason}",
-          flush=True)
-
-
 def _interrupted(record: Any) -> Any:
     """A scenario's record once the run stopped while it ran: INCONCLUSIVE, "interrupted";
     what it would have been judged stays in `extra`."""
@@ -418,9 +409,15 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     n = len(scenarios)
     _CANCEL.clear()
 
+    from canaries.progress import progress_for
+
+    shown = progress_for(n, jobs) if progress else None
+
     def one(i: int, sc: Any):
         if _CANCEL.is_set():  # taken off the queue after the run stopped: never started
             return i, None, 0.0
+        if shown is not None:
+            shown.started(sc.name)
         t0 = time.monotonic()
         record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
                               engine_root=engine_root, memory=memory, engine_python=engine_python)
@@ -439,8 +436,8 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         records[i] = record
         durations[scenarios[i].name] = round(dt, 3)
         append(record, tolerant=_CANCEL.is_set())
-        if progress:
-            _print_progress(len(records), n, scenarios[i].name, record, dt)
+        if shown is not None:
+            shown.finished(scenarios[i].name, record, dt)
 
     failed: dict[int, BaseException] = {}  # scenarios whose worker raised
 
@@ -454,7 +451,8 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
             if record is not None:
                 keep(i, record, dt)
 
-    with (SignalLatch() if latch is None else contextlib.nullcontext(latch)) as latch:
+    with (SignalLatch() if latch is None else contextlib.nullcontext(latch)) as latch, \
+            (shown or contextlib.nullcontext()):
         pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="canary-run")
         futures: dict[Future, int] = {pool.submit(one, i, sc): i for i, sc in enumerate(scenarios)}
         pending = set(futures)
