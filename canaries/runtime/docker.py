@@ -32,6 +32,7 @@ from typing import Any
 from canaries.runtime import safety
 from canaries.runtime.docker_image import (
     DOCKERFILE,
+    DOCKERFILE_CUDA,
     IMAGE_REPO,
     DockerUnavailable,
     ImageBuildError,
@@ -41,7 +42,7 @@ from canaries.runtime.docker_image import (
     get_client,
     image_tag,
 )
-from canaries.runtime.local import serves, tail_text
+from canaries.runtime.local import serves, spec_knob, tail_text
 
 __all__ = [
     "DockerRuntime",
@@ -210,6 +211,11 @@ class DockerRuntime:
         self.event_log = run_dir / "events.jsonl"
         if self.client is None:
             self.client = get_client()
+        if spec_knob("device", spec_path, extra_flags) == "cuda":
+            # A CUDA engine: the CUDA image, and the host's GPUs handed to the container.
+            if self.dockerfile == DOCKERFILE:
+                self.dockerfile = DOCKERFILE_CUDA
+            self.gpus = True
         if self.image is None:
             self.ensure_image()
         assert self.image is not None

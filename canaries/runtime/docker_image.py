@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DOCKERFILE",
+    "DOCKERFILE_CUDA",
     "DockerUnavailable",
     "ImageBuildError",
     "IMAGE_REPO",
@@ -27,6 +29,7 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = "docker/Dockerfile"
+DOCKERFILE_CUDA = "docker/Dockerfile.cuda"
 WHEELHOUSE = REPO_ROOT / "docker" / "wheels"
 IMAGE_REPO = "serving-canary-engine"
 # The torch build the image carries: the CPU build on these machines' disk. Never a bare `torch`

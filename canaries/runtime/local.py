@@ -35,7 +35,7 @@ from engine_stub.__main__ import READY_FD_ENV
 
 START_ENV = "CANARY_ENGINE_START"
 
-__all__ = ["LocalRuntime", "serves", "tail_text"]
+__all__ = ["LocalRuntime", "PRELOAD", "serves", "spec_knob", "tail_text"]
 
 READY_RE = re.compile(r"engine_stub ready on (http://\S+)")
 
@@ -82,7 +82,7 @@ def _read_ready_line(fd: int, timeout: float) -> str | None:
     return data.decode("utf-8", "replace")
 
 
-def _spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
+def spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
     """The value the engine will be given for knob `name`: a `--name` flag, else the spec's
     engine section, else its ENGINE_STUB_ variable."""
     flags, flag = list(flags), "--" + name.replace("_", "-")
@@ -158,9 +158,9 @@ class LocalRuntime:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         safety.install_sigterm_handler()
-        self.start_mode = start_mode(self.requested_start, _spec_knob("device", spec_path, extra_flags))
+        self.start_mode = start_mode(self.requested_start, spec_knob("device", spec_path, extra_flags))
         if self.start_mode == "warm":
-            preload = PRELOAD.get(str(_spec_knob("memory", spec_path, extra_flags)), ())
+            preload = PRELOAD.get(str(spec_knob("memory", spec_path, extra_flags)), ())
             server = fork_server(self.python, self.engine_root, preload)
             self.proc = server.spawn(cmd[3:], env, self.log_path)
             safety.register(self)
