@@ -15,8 +15,11 @@ _SCENARIOS = [load_scenario(f) for f in _FILES]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", _SCENARIOS, ids=[s.name for s in _SCENARIOS])
-def test_scenario(scenario, tmp_path: Path, assert_no_engine_left) -> None:
+def test_scenario(scenario, tmp_path: Path, assert_no_engine_left, record_property) -> None:
     record = run_scenario(scenario, tmp_path / scenario.name)
+    # In the JUnit XML (also under pytest-xdist): the verdict, comparable with `canary run`'s.
+    record_property("verdict", record.verdict)
+    record_property("signature", record.signature)
     assert_no_engine_left(tmp_path)
     assert record.passed, f"{scenario.name}: {record.verdict}: {record.reason} (run dir {tmp_path})"
     landed = {e.get("index") for e in record.landed}
