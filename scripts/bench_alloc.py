@@ -1,19 +1,23 @@
 """Micro-benchmark of the SWA allocator's hot path.
 
-    python scripts/bench_alloc.py [--iters N] [--batch B] [--device cpu|cuda]
+    python scripts/bench_alloc.py [--iters N] [--batch B] [--device cpu|cuda] [--threads T]
 
 (a) `free_swa` on page_size 1, at levels OFF and STRICT, against the bare work it has to do: a
-    gather of the peers from a mapping, an `index_fill_` of the mapping to 0, an `index_fill_` of
-    an allocated bitmap and an append to a free list, on tensors of the same sizes; at STRICT
-    also the one async assert PR #36723 puts there (`swa.peer_mapped`: every peer > 0), which
-    SGLang's free_swa makes too. The ratio against the bare ops without that assert is printed
-    as well ("no check").
+    gather of the peers from a mapping (`torch.take`, the cheapest gather with the same values
+    and errors as `mapping[idx]`), an `index_fill_` of the mapping to 0, an `index_fill_` of an
+    allocated bitmap and an append to a free list, on tensors of the same sizes; at STRICT also
+    the one async assert PR #36723 puts there (`swa.peer_mapped`: every peer > 0), as SGLang's
+    free_swa makes it (`(peers > 0).all()`). The ratio against the bare ops without that assert
+    is printed as well ("no check").
 (b) alloc+free throughput through the SWA allocator on page sizes 1 and 16.
 
 Each free_swa variant runs in its own loop, alternated call by call with the bare ops it is
 compared to, so that drift (frequency scaling, a noisy neighbour) lands on both sides alike;
 each figure is a median. The slots a repetition
-frees are allocated before its clock starts. The last line printed is one JSON object.
+frees are allocated before its clock starts; after its clock stops, the allocator gets the
+engine's per-step read-back (drop counters and invariant counters in one copy,
+`note_drop_totals`, `drain_firings`, as `Scheduler._read_back`/`_end_of_step` make them), so
+that it runs in the state a step leaves. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine_stub import invariants
 from engine_stub.invariants import InvariantCheckLevel, override_level
 from engine_stub.mem import SWATokenToKVPoolAllocator
 
@@ -59,20 +64,20 @@ class _BareFreeSwa:
         return self.full_ids.clone()
 
     def run(self, idx: torch.Tensor) -> None:
-        peers = self.mapping[idx]
+        peers = torch.take(self.mapping, idx)
         self.mapping.index_fill_(0, idx, 0)
         self.allocated.index_fill_(0, peers, False)
         self.free_list.append(peers)
 
     def run_deferred(self, idx: torch.Tensor) -> None:
         """What free_swa must do inside a free group: resolve the peers, clear, queue them."""
-        peers = self.mapping[idx]
+        peers = torch.take(self.mapping, idx)
         self.mapping.index_fill_(0, idx, 0)
         self.free_list.append(peers)
 
     def run_checked(self, idx: torch.Tensor) -> None:
         """`run` plus the STRICT check free_swa must make (SGLang's async assert, as is)."""
-        peers = self.mapping[idx]
+        peers = torch.take(self.mapping, idx)
         torch._assert_async((peers > 0).all(), "swa.peer_mapped")
         self.mapping.index_fill_(0, idx, 0)
         self.allocated.index_fill_(0, peers, False)
@@ -80,7 +85,7 @@ class _BareFreeSwa:
 
     def run_deferred_checked(self, idx: torch.Tensor) -> None:
         """`run_deferred` plus the STRICT check free_swa must make."""
-        peers = self.mapping[idx]
+        peers = torch.take(self.mapping, idx)
         torch._assert_async((peers > 0).all(), "swa.peer_mapped")
         self.mapping.index_fill_(0, idx, 0)
         self.free_list.append(peers)
@@ -112,6 +117,20 @@ class _FreeSwa:
         if self.grouped:
             self.allocator.free_group_end()
         self.allocator.free_full(idx)
+        _read_back(self.allocator)
+
+
+def _read_back(allocator: SWATokenToKVPoolAllocator) -> None:
+    """The engine's per-step read-back of the allocator's and the invariants' counters."""
+    names, counters = invariants.counter_snapshot()
+    parts = [allocator.drop_counter()] + ([counters] if counters is not None else [])
+    host = torch.cat(parts).tolist()
+    allocator.note_drop_totals(host[:2])
+    totals: dict[str, int] = {}
+    for name, value in zip(names, host[2:], strict=True):
+        totals[name] = totals.get(name, 0) + int(value)
+    if invariants.drain_firings(totals):
+        raise SystemExit("bench_alloc: a clean free_swa fired an invariant")
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -202,9 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=400, help="timed repetitions per variant")
     parser.add_argument("--batch", type=int, default=64, help="slots freed per free_swa call")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (default 1: on a loaded 2-core machine more threads make small "
+        "ops wait on each other, as in bench_vs_sglang.py; 0 keeps torch's default)",
+    )
     args = parser.parse_args(argv)
     if args.iters < 1 or args.batch < 1:
         parser.error("--iters and --batch must be >= 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
 
@@ -217,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         "grouped": free_swa["grouped_STRICT_vs_unchecked"] / free_swa["bare_deferred_unchecked@STRICT"],
     }
 
-    head = f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}"
+    head = (f"free_swa, page_size 1, batch {args.batch}, {args.iters} reps, {device.type}, "
+            f"{torch.get_num_threads()} threads")
     print(f"{head}, median us/call")
     print(f"{'':<16}" + "".join(f"{level.name:>10}" for level in LEVELS))
     print(f"{'bare ops':<16}" + "".join(f"{free_swa['bare@' + lv.name] * 1e6:>10.1f}" for lv in LEVELS))
@@ -243,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "batch": args.batch,
                 "iters": args.iters,
+                "threads": torch.get_num_threads(),
                 "free_swa_us": {k.lower(): v * 1e6 for k, v in free_swa.items()},
                 "free_swa_over_bare": {level.name.lower(): ratios[level.name] for level in LEVELS},
                 "grouped_free_swa_over_bare": {level.name.lower(): grouped[level.name] for level in LEVELS},

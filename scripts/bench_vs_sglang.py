@@ -22,7 +22,22 @@ Both allocators get the same sizes and need_sort, and the same invariant level: 
 `engine_stub.invariants.set_default_level`, SGLang's through its `SGLANG_INVARIANT_CHECK`
 (an integer there: 0 off, 1 warn, 2 strict; a word reads as invalid and falls back to off),
 which `sglang.srt.utils.invariants.resolve_level` re-reads on every `expect`.
-The last line printed is one JSON object.
+
+Once per iteration, after both sides' calls (so each side follows it equally often) and off
+both clocks, ours gets the engine's per-step read-back (`Scheduler._read_back` and
+`_end_of_step`, allocator and invariant parts; it also checks that nothing fired): the drop
+counters and
+the invariant counters in one device-to-host copy, `note_drop_totals`, `drain_firings`. The engine
+makes it once per step, riding on the copy of the sampled tokens it makes anyway, and one call
+here is one step's worth of allocator work (an alloc and the frees of it); without it our free
+lists never learn that their freed entries are real pages, and an alloc that reaches them pays
+`_drop_holes` (a read of the kept masks: a sync on a GPU), which the engine pays only when a pool
+runs short before the read-back. SGLang has no such read-back (its page_size 1 free keeps no
+drop decision to verify; its count path reads its counters back on every record, on its clock).
+With checks on, the read-back is also where the drop invariants' counts of our frees are folded
+(with the drop counters, one fold per step). Its cost is not hidden: `rb_us` is its median,
+measured in the same loop, and `ratio_rb` the ratio with it added to ours (a per-step cost
+charged to a single call: an upper bound). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -223,6 +238,24 @@ class _Ours(_Side):
             return self.a.alloc(self.batch)
         return self.a.alloc_extend(*self.extend_args)
 
+    def readback(self) -> None:
+        """The engine's per-step read-back, as `Scheduler._read_back` and `_end_of_step` make it
+        (the allocator's and the invariants' parts; the engine's copy also carries the tokens)."""
+        import torch
+
+        from engine_stub import invariants
+
+        names, counters = invariants.counter_snapshot()
+        parts = [self.a.drop_counter()] + ([counters] if counters is not None else [])
+        host = torch.cat(parts).tolist()
+        self.a.note_drop_totals(host[:2])
+        totals: dict[str, int] = {}
+        for name, value in zip(names, host[2:], strict=True):
+            totals[name] = totals.get(name, 0) + int(value)
+        firings = invariants.drain_firings(totals)
+        if firings:  # the paths free what they allocated: nothing may fire
+            raise SystemExit(f"bench_vs_sglang: ours fired {[f.name for f in firings]}")
+
 
 def _sglang_extend_args(torch, prefix, seq, last_loc, batch):
     prefix_t = torch.tensor(prefix, dtype=torch.int64)
@@ -287,28 +320,42 @@ def _check_path(side: _Side, path: str) -> None:
 
 
 def _time_pair(
-    ours: _Side, theirs: _Side, path: str, iters: int, warmup: int
-) -> tuple[float, float]:
+    ours: _Ours, theirs: _Side, path: str, iters: int, warmup: int
+) -> tuple[float, float, float]:
+    """Median us per call of ours, of theirs, and of our read-back (off our clock)."""
     run_ours = getattr(ours, f"path_{path}")
     run_theirs = getattr(theirs, f"path_{path}")
+    readback = ours.readback
     for _ in range(warmup):
         run_ours()
+        readback()
         run_theirs()
     t_ours: list[int] = []
     t_theirs: list[int] = []
+    t_readback: list[int] = []
     clock = time.perf_counter_ns
+
+    def timed(fn, sink: list[int]) -> None:
+        start = clock()
+        fn()
+        sink.append(clock() - start)
+
     gc.collect()
     gc.disable()
     try:
         for i in range(iters):
             order = ((run_ours, t_ours), (run_theirs, t_theirs))
             for fn, sink in order if i % 2 == 0 else order[::-1]:
-                start = clock()
-                fn()
-                sink.append(clock() - start)
+                timed(fn, sink)
+            # After both, so that each side follows it (and the other side) equally often.
+            timed(readback, t_readback)
     finally:
         gc.enable()
-    return statistics.median(t_ours) / 1e3, statistics.median(t_theirs) / 1e3
+    return (
+        statistics.median(t_ours) / 1e3,
+        statistics.median(t_theirs) / 1e3,
+        statistics.median(t_readback) / 1e3,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         f"cpu, {torch.get_num_threads()} threads, need_sort={args.need_sort}, iters={args.iters}, median us per call"
     )
     rows = []
-    header = f"{'page':>4} {'batch':>5} {'level':>6} {'path':>5} {'full/swa':>11} {'ours_us':>9} {'sglang_us':>9} {'ratio':>6}"
+    header = (
+        f"{'page':>4} {'batch':>5} {'level':>6} {'path':>5} {'full/swa':>11} {'ours_us':>9} "
+        f"{'sglang_us':>9} {'ratio':>6} {'rb_us':>6} {'ratio_rb':>8}"
+    )
     print(header)
     print("-" * len(header))
     for page in args.page_sizes:
@@ -353,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for side in (ours, theirs):
                         _check_path(side, path)
-                    us_ours, us_theirs = _time_pair(ours, theirs, path, args.iters, args.warmup)
+                    us_ours, us_theirs, us_rb = _time_pair(
+                        ours, theirs, path, args.iters, args.warmup
+                    )
                     ratio = us_ours / us_theirs
+                    ratio_rb = (us_ours + us_rb) / us_theirs
                     rows.append(
                         {
                             "page_size": page,
@@ -366,11 +419,13 @@ def main(argv: list[str] | None = None) -> int:
                             "ours_us": round(us_ours, 1),
                             "sglang_us": round(us_theirs, 1),
                             "ratio": round(ratio, 3),
+                            "readback_us": round(us_rb, 1),
+                            "ratio_with_readback": round(ratio_rb, 3),
                         }
                     )
                     print(
                         f"{page:>4} {batch:>5} {level:>6} {path:>5} {f'{size}/{size_swa}':>11} "
-                        f"{us_ours:>9.1f} {us_theirs:>9.1f} {ratio:>5.2f}x",
+                        f"{us_ours:>9.1f} {us_theirs:>9.1f} {ratio:>5.2f}x {us_rb:>6.1f} {ratio_rb:>7.2f}x",
                         flush=True,
                     )
     worst = max(rows, key=lambda row: row["ratio"]) if rows else None

@@ -10,8 +10,11 @@ import torch
 
 from engine_stub.invariants import (
     InvariantCheckLevel,
+    counter_snapshot,
+    drain_firings,
     hit_counts,
     override_level,
+    reset_counters,
 )
 from engine_stub.mem import (
     BaseTokenToKVPoolAllocator,
@@ -210,6 +213,77 @@ class TestBadFrees:
             allocator.free(allocator.alloc(allocator.size))
         assert all(hit_counts()[name] == 0 for _, name, _ in BAD_FREES)
         assert allocator.drop_counts() == {"double_free": 0, "out_of_pool": 0, "reserved": 0}
+
+
+DROP_INVARIANTS = [name for _, name, _ in BAD_FREES]
+
+
+class TestDropReport:
+    """The drop invariants' counts are folded with the drop counters, not counted at the free:
+    every reader still sees exactly the drops of the frees made (with checks on) before it."""
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_a_reader_sees_the_drops_before_any_fold(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 if page_size == 1 else page_size)
+        allocator.free(held)
+        with override_level(InvariantCheckLevel.WARN):
+            allocator.free(_bad_ids("double_free", page_size, held))
+            names, values = counter_snapshot()  # the step's read-back: no drop_counter() yet
+        totals = dict(zip(names, values.tolist(), strict=True))
+        assert totals["alloc.double_free"] == BAD_FREES[0][2][page_size]
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_only_frees_made_with_checks_on_count_for_the_invariants(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 if page_size == 1 else page_size)
+        allocator.free(held)
+        bad = _bad_ids("out_of_pool", page_size, held)
+        for level in (InvariantCheckLevel.WARN, InvariantCheckLevel.OFF, InvariantCheckLevel.STRICT):
+            with override_level(level):
+                allocator.free(bad)
+        assert hit_counts()["alloc.out_of_pool"] == 2 * 3
+        assert allocator.drop_counts()["out_of_pool"] == 3 * 3
+
+    def test_reset_counters_forgets_the_invariant_counts_not_the_drops(self) -> None:
+        allocator = _make_allocator(1)
+        with override_level(InvariantCheckLevel.WARN):
+            allocator.free(torch.tensor([0], dtype=torch.int64))
+        reset_counters()
+        assert hit_counts()["alloc.reserved_slot"] == 0
+        assert allocator.drop_counts()["reserved"] == 1
+        assert hit_counts()["alloc.reserved_slot"] == 0  # folding again owes nothing
+
+    @pytest.mark.parametrize("page_size", PAGE_SIZES)
+    def test_each_drop_invariant_fires_with_its_own_slots_in_order(self, page_size: int) -> None:
+        allocator = _make_allocator(page_size)
+        held = allocator.alloc(2 * page_size)
+        allocator.free(held[:page_size])
+        end = (POOL_PAGES + 1) * page_size
+        # A double free, an id past the end, the padding page, a good free, -1.
+        ids = torch.cat([held[:1], torch.tensor([end, 0]), held[page_size:], torch.tensor([-1])])
+        with override_level(InvariantCheckLevel.WARN):
+            allocator.free(ids)
+            firings = {f.name: f for f in drain_firings()}
+        assert set(firings) == set(DROP_INVARIANTS)
+        assert firings["alloc.double_free"].slots == (int(held[0]),)
+        assert firings["alloc.out_of_pool"].slots == (end, -1)
+        assert firings["alloc.reserved_slot"].slots == (0,)
+        assert [firings[name].msg for name in DROP_INVARIANTS] == [
+            "not allocated", "id past the pool end", "padding page"]
+        assert all(not f.crashed and f.level == "WARN" for f in firings.values())
+
+    def test_a_page_1_bad_free_with_checks_on_and_its_read_back_do_not_sync(self) -> None:
+        # (The paged free syncs anyway, for its dedup.)
+        allocator = _make_allocator(1)
+        held = allocator.alloc(2)
+        allocator.free(held)
+        with override_level(InvariantCheckLevel.STRICT):
+            check = count_syncs(allocator.free, torch.cat([held, torch.tensor([0, -1])]))
+            assert check.total == 0, check.summary()
+            check = count_syncs(counter_snapshot)  # folds the free's drops into the counters
+            assert check.total == 0, check.summary()
+        assert hit_counts()["alloc.double_free"] == 2
 
 
 def _page_slots(page: int, page_size: int = 4) -> list[int]:

@@ -10,8 +10,10 @@ import torch
 from engine_stub.invariants import (
     InvariantCheckLevel,
     InvariantViolation,
+    drain_firings,
     hit_counts,
     override_level,
+    reset_counters,
 )
 from engine_stub.mem import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
 from engine_stub.mem.kv_pool import HybridKVPool
@@ -524,6 +526,42 @@ class TestOneCrashPoint:
         allocator.note_drop_totals([0, 0])
         check = count_syncs(_alloc, allocator, 8)
         assert check.total == 0, check.summary()
+
+
+class TestDropReports:
+    """Both sides' bad-free drops of one free reach the drop invariants as one report."""
+
+    @pytest.mark.parametrize("page_size", [1, 4])
+    @pytest.mark.parametrize("level", [WARN, STRICT])
+    def test_fused_free_fires_what_free_swa_then_free_full_fire(
+        self, page_size: int, level: InvariantCheckLevel
+    ) -> None:
+        seen = []
+        for how in ("fused", "free_swa+free_full", "group"):
+            reset_counters()
+            allocator = _make_allocator(page_size)
+            _alloc(allocator, 2 * page_size)  # held elsewhere: no pool bound breaks
+            live = _alloc(allocator, 2 * page_size)
+            peer = allocator.translate_loc_from_full_to_swa(live[:1])
+            # Both sides free a slot behind the allocator's back: the free below drops each.
+            allocator.swa_attn_allocator.free(peer)
+            allocator.full_attn_allocator.free(live[-1:])
+            with override_level(level):
+                if how == "fused":
+                    allocator.free(live)
+                elif how == "group":
+                    allocator.free_group_begin()
+                    allocator.free_swa(live)
+                    allocator.free_full(live)
+                    allocator.free_group_end()
+                else:
+                    allocator.free_swa(live)
+                    allocator.free_full(live)
+                seen.append([(f.name, f.level, f.msg, f.new_hits, f.slots, f.crashed) for f in drain_firings()])
+            if page_size == 1:
+                assert seen[-1] == [("alloc.double_free", level.name, "not allocated", 2,
+                                     (int(peer), int(live[-1])), False)]
+        assert seen[0] == seen[1] == seen[2]
 
 
 class TestSGLangArguments:

@@ -13,8 +13,11 @@ A per-page state row (`page_allocated` reads it as a bitmap) makes bad frees har
 free, an id past the end of the pool or an id inside the padding page is dropped instead of
 recycled, and counted on the device. Counting never crashes (SGLang's drop counters do not
 either): with checks on, each drop also adds to the count path of its invariant
-(`alloc.double_free`, `alloc.out_of_pool`, `alloc.reserved_slot`), whose counters ride the step's
-one device-to-host read.
+(`alloc.double_free`, `alloc.out_of_pool`, `alloc.reserved_slot`, one `CountGroup`), whose
+counters ride the step's one device-to-host read. Those counts are folded together with the drop
+counters (below): a free with checks on costs no count op of its own, only its report's context,
+and the allocator is a count source, so every reader of the invariant counters folds first and
+sees exactly the drops of the frees made before it.
 
 page_size 1 frees are sync-free: the drop decision is fixed-shape, so a dropped entry stays in
 the list as a *hole* (page 0). The host learns whether holes exist from the drop counters the
@@ -38,8 +41,10 @@ How a free is decided, in few device ops (the hot path of every step):
   claim row picks one entry per page to carry its count, and the row is reset to free for every
   page named.
 - The drop counts themselves are kept as the classified entries and folded into the counters
-  only when someone reads them (`drop_counter`, `drop_counts`), or every `_FOLD_EVERY` frees:
-  at the step's read-back that is one fold for all of the step's frees.
+  only when someone reads them (`drop_counter`, `drop_counts`, any reader of the invariant
+  counters), or every `_FOLD_EVERY` frees: at the step's read-back that is one fold for all of
+  the step's frees (each entry's outcome code, one `index_add_`), adding the checked frees'
+  drops to their invariants too (one more).
 """
 
 from __future__ import annotations
@@ -52,15 +57,16 @@ import torch
 
 from engine_stub.invariants import (
     Bucket,
+    CountGroup,
     Invariant,
-    InvariantCheckLevel,
     IsTrue,
     checks_enabled,
-    expect,
-    override_level,
+    note_failures,
+    register_count_source,
 )
 
 __all__ = [
+    "DROP_REPORT",
     "BaseTokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
@@ -96,13 +102,18 @@ DROP_KINDS = ("double_free", "out_of_pool", "reserved")
 _RECYCLED, _DOUBLE, _OUTSIDE, _RESERVED, _IGNORED = range(5)
 
 
-# Each drop kind's invariant, in the order of `_REPORT_CODES`.
-_REPORTS = (
+# The drop kinds' invariants, reported together (count-only: never a crash point). Entry order
+# is the order their contexts are kept in (see `note_failures`).
+DROP_REPORT = CountGroup(
     (_OUT_OF_POOL, "id past the pool end"),
     (_RESERVED_SLOT, "padding page"),
     (_DOUBLE_FREE, "not allocated"),
 )
-_REPORT_CODES = (_OUTSIDE, _RESERVED, _DOUBLE)
+# The report entry of each outcome code (`len(DROP_REPORT)`: none).
+_NO_DROP = len(DROP_REPORT)
+_ENTRY_OF_CODE = {_RECYCLED: _NO_DROP, _DOUBLE: 2, _OUTSIDE: 0, _RESERVED: 1, _IGNORED: _NO_DROP}
+# What a free hands its caller's report: (resolve, data, slots), see `note_failures`.
+Report = tuple[Any, Any, torch.Tensor]
 
 # State row values: an allocated page holds `_ALLOCATED`; a free one anything larger. A page
 # never freed since `clear` holds `_NEVER_FREED`, larger than every value a free offers.
@@ -178,12 +189,16 @@ class BaseTokenToKVPoolAllocator:
         self.need_sort = need_sort
         self._kvcache = kvcache
         device = self.device
-        # Freed entries by outcome: [_RECYCLED] recycled, else dropped as DROP_KINDS[code - 1].
+        # Dropped entries by outcome code, DROP_KINDS[code - 1] (the recycled and ignored entries'
+        # codes index it too, but what they count is never read).
         self._outcomes = torch.zeros(2 + len(DROP_KINDS), dtype=torch.int64, device=device)
+        self._drops = self._outcomes[_DOUBLE:_IGNORED]  # by DROP_KINDS
         # Drops the host has learned of (`note_drop_totals`, `drop_counts`).
         self._drops_known = 0
-        # Classified frees not yet folded into `_outcomes`: (ids clamped or owned, kept, counted).
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # Classified frees not yet folded into `_outcomes`: (ids clamped or owned, kept, counted,
+        # checked); `checked`: the free ran with checks on, so its drops count for DROP_REPORT.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []
+        self._pending_checked = 0  # how many of `_pending` are checked
         # Per-page rows, indexed by page + 1 (the paged free's `_shifted_pages`): [0] takes pages
         # below 0, [1] page 0, then the pool, [num_pages + 2] pages past it, [num_pages + 3] the
         # entries a free is told to ignore. `_state` and `_kind` view the same rows indexed by
@@ -200,12 +215,21 @@ class BaseTokenToKVPoolAllocator:
         self._kind_rows = kind_rows
         # Unshifted: [0] page 0, the pool, [num_pages + 1] past it; -1 wraps onto past-pool too.
         self._kind = kind_rows[1 : self.num_pages + 3]
-        self._report_codes = torch.tensor(_REPORT_CODES, dtype=torch.int64, device=device)[:, None]
+        # Each row's DROP_REPORT entry (`_NO_DROP` for the ignored row), and the unshifted view.
+        entry_of_code = torch.tensor([_ENTRY_OF_CODE[c] for c in range(len(_ENTRY_OF_CODE))],
+                                     dtype=torch.int64, device=device)
+        self._entry_rows = entry_of_code[kind_rows]
+        self._entry = self._entry_rows[1 : self.num_pages + 3]
+        # `DROP_REPORT.add` index of the outcome codes, in code order.
+        self._code_index = DROP_REPORT.index(
+            device, [None if _ENTRY_OF_CODE[c] == _NO_DROP else _ENTRY_OF_CODE[c] for c in range(_IGNORED + 1)]
+        )
         # The next (exclusive) top of the values a page_size 1 free offers; only ever decreases.
         self._offer = _OFFER_TOP
         self._rows = torch.full((rows,), _NEVER_FREED, dtype=torch.int64, device=device)
         self._state = self._rows[1 : self.num_pages + 3]
         self.clear()
+        register_count_source(self)
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -285,49 +309,60 @@ class BaseTokenToKVPoolAllocator:
 
     # ---- bad-free counters ----------------------------------------------------------------
 
-    def _outcome_codes(self, ids: torch.Tensor, kept: torch.Tensor, *, clamped: bool = False) -> torch.Tensor:
-        """Each entry's outcome: `_RECYCLED` where kept, else its drop kind (fixed shape).
-        `clamped`: `ids` are already clamped into `[-1, num_pages + 1]`."""
-        code = self._kind[ids if clamped else ids.clamp(-1, self._sink)]
-        return code.masked_fill_(kept, _RECYCLED)
-
     def _fold(self) -> None:
-        """Count the pending classified frees into `_outcomes` (device ops, no sync)."""
+        """Count the pending classified frees into `_outcomes`, and the checked ones' drops into
+        DROP_REPORT's counters (device ops, no sync)."""
         pending, self._pending = self._pending, []
         if not pending:
             return
+        checked, self._pending_checked = self._pending_checked, 0
+        if checked in (0, len(pending)):
+            self._fold_entries(pending, report=checked > 0)
+        else:  # the level changed between frees (tests): fold each kind apart
+            self._fold_entries([p for p in pending if p[3]], report=True)
+            self._fold_entries([p for p in pending if not p[3]], report=False)
+
+    def _fold_entries(self, pending: list, *, report: bool) -> None:
         if len(pending) == 1:
-            ids, kept, counted = pending[0]
+            ids, kept, counted, _checked = pending[0]
         else:
             ids = torch.cat([p[0] for p in pending])
             kept = torch.cat([p[1] for p in pending])
             counted = None if pending[0][2] is None else torch.cat([p[2] for p in pending])
         if counted is None:
-            # page_size 1: every entry counts. Count by kind with compares and sums (cheaper per
-            # entry than a per-entry code; `ids` are raw or clamped into [-1, num_pages + 1],
-            # which keeps below 0, 0 and past the pool apart).
-            below = (ids < 0).sum()
-            past = (ids > self.num_pages).sum()
-            padding = (ids == 0).sum()
-            recycled = kept.sum()
-            counts = torch.stack([recycled, ids.numel() - recycled - below - past - padding, below + past, padding])
-            self._outcomes[:_IGNORED].add_(counts)
+            # page_size 1: every dropped entry counts once, under its id's kind (kept ones add 0,
+            # so their code need not say RECYCLED: that count is never read).
+            code = torch.take(self._kind, ids.clamp(-1, self._sink))
+            weights = 1 - kept  # (`kept` is int64 1/0 here)
         else:
             code = self._outcome_codes(ids, kept)
             # A page counts once however many of its slots are named; ids outside the pool
             # count per id, as SGLang's out-of-pool location drops do.
-            counted = counted | (code == _OUTSIDE)
-            self._outcomes.index_add_(0, code, counted.to(torch.int64))
+            weights = (counted | (code == _OUTSIDE)).to(torch.int64)
+        if report:
+            # Per code first, so the entries are summed once for both counters.
+            delta = torch.zeros_like(self._outcomes).index_add_(0, code, weights)
+            self._outcomes.add_(delta)
+            DROP_REPORT.add(delta, self._code_index)
+        else:
+            self._outcomes.index_add_(0, code, weights)
 
-    def _keep_pending(self, ids: torch.Tensor, kept: torch.Tensor, counted: torch.Tensor | None) -> None:
-        self._pending.append((ids, kept, counted))
+    def flush_counts(self) -> None:
+        """Fold now (a count source of DROP_REPORT: every invariant-counter reader calls it)."""
+        self._fold()
+
+    def _keep_pending(
+        self, ids: torch.Tensor, kept: torch.Tensor, counted: torch.Tensor | None, checked: bool
+    ) -> None:
+        self._pending.append((ids, kept, counted, checked))
+        self._pending_checked += checked
         if len(self._pending) >= _FOLD_EVERY:
             self._fold()
 
     def drop_counter(self) -> torch.Tensor:
         """Every drop so far, as a 0-dim device tensor (for the step's read-back; no sync)."""
         self._fold()
-        return self._outcomes[_DOUBLE:_IGNORED].sum()
+        return self._drops.sum()
 
     def note_drop_totals(self, total: int) -> None:
         """What `drop_counter()` read back. No new drop: every entry freed so far is a real page.
@@ -363,7 +398,7 @@ class BaseTokenToKVPoolAllocator:
     def drop_counts(self) -> dict[str, int]:
         """Bad frees dropped so far, by kind (a host read: idle ticks and tests)."""
         self._fold()
-        counts = dict(zip(DROP_KINDS, self._outcomes[_DOUBLE:_IGNORED].tolist(), strict=True))
+        counts = dict(zip(DROP_KINDS, self._drops.tolist(), strict=True))
         self.note_drop_totals(sum(counts.values()))
         return counts
 
@@ -410,16 +445,20 @@ class BaseTokenToKVPoolAllocator:
         self._state.index_fill_(0, pages, _ALLOCATED)
         return pages
 
-    def _report(self, ok: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add each drop kind's entries to its invariant's count path: never a crash point.
+    def _report(self, report: Report) -> None:
+        """Put a free's drops on DROP_REPORT's record: never a crash point.
 
-        `ok` has one row per drop kind (`_REPORTS`), False where an entry counts as that drop.
-        The drop itself is the containment (the data layer); this is only the signal, and like
-        SGLang's drop counters it is read back with the step, not asserted at the free.
+        The counts were kept with the free (folded with the drop counters); this records the
+        context a drain resolves the failing slots from. The drop itself is the containment (the
+        data layer); this is only the signal, and like SGLang's drop counters it is read back
+        with the step, not asserted at the free.
         """
-        with override_level(InvariantCheckLevel.WARN):
-            for row, (inv, msg) in enumerate(_REPORTS):
-                expect(inv, ok[row], msg, slots=slots)
+        note_failures(DROP_REPORT, (report,))
+
+    def _failure_codes(self, data: tuple) -> torch.Tensor:
+        """Each entry's DROP_REPORT entry (`_NO_DROP`: none), from what a free kept (a drain
+        calls it, only when a drop invariant fired)."""
+        raise NotImplementedError
 
     def _give_back(self, pages: torch.Tensor, *, at_head: bool, may_hold_holes: bool) -> None:
         """Return `pages` to the free list (or stage them, with `need_sort`)."""
@@ -454,14 +493,12 @@ class BaseTokenToKVPoolAllocator:
             free_index = free_index.to(torch.int64)
         report = self._free(free_index, owned=False, checks=checks_enabled())
         if report is not None:
-            self._report(*report)
+            self._report(report)
 
-    def _free(
-        self, free_index: torch.Tensor, *, owned: bool, checks: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`free` of a non-empty int64 tensor, without the report: returns `(ok, slots)` for
-        `_report` when `checks`, else None. `owned`: nobody else holds `free_index` (it may be
-        kept until the counts are folded)."""
+    def _free(self, free_index: torch.Tensor, *, owned: bool, checks: bool) -> Report | None:
+        """`free` of a non-empty int64 tensor, without the report: returns its report for
+        `_report` when `checks` (its drops then count for DROP_REPORT), else None. `owned`:
+        nobody else holds `free_index` (it may be kept until the counts are folded)."""
         raise NotImplementedError
 
 
@@ -482,9 +519,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self._take_pages(need_size)
 
-    def _free(
-        self, free_index: torch.Tensor, *, owned: bool, checks: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _free(self, free_index: torch.Tensor, *, owned: bool, checks: bool) -> Report | None:
         n = free_index.numel()
         state = self._state
         sink = self._sink
@@ -500,11 +535,14 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         # Increasing within the call: of a page named twice, the entry named last wins.
         offers = torch.arange(low, top, dtype=_I64, device=self.device)
         state.scatter_reduce_(0, pages, offers, "amax")
-        kept = state.index_select(0, pages) == offers
+        # int64 1/0, compared in place on the fresh gather: multiplying `pages` by an int64 mask
+        # is cheaper than by a bool one (every reader of `kept` takes either).
+        kept = state.index_select(0, pages).eq_(offers)
         # The fold tells the drop kinds apart by the unclamped id (below 0: outside the pool).
         ids = free_index if owned else free_index.clamp(-1, sink)
         pending = self._pending
-        pending.append((ids, kept, None))
+        pending.append((ids, kept, None, checks))
+        self._pending_checked += checks
         if len(pending) >= _FOLD_EVERY:
             self._fold()
         self._unverified_kept.append(kept)
@@ -518,7 +556,11 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self._unverified += n
         if not checks:
             return None
-        return self._outcome_codes(ids, kept, clamped=not owned) != self._report_codes, free_index
+        return self._failure_codes, (ids, kept), free_index
+
+    def _failure_codes(self, data: tuple) -> torch.Tensor:
+        ids, kept = data
+        return torch.take(self._entry, ids.clamp(-1, self._sink)).masked_fill_(kept.bool(), _NO_DROP)
 
 
 class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -668,9 +710,17 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             shifted = torch.div(free_index, page, rounding_mode="floor").add_(1)
         return shifted.clamp_(0, self.num_pages + 2)
 
-    def _outcome_codes(self, ids: torch.Tensor, kept: torch.Tensor, *, clamped: bool = True) -> torch.Tensor:
-        # Paged entries are kept as shifted pages (`_shifted_pages`), clamped by construction.
+    def _outcome_codes(self, ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Each entry's outcome: `_RECYCLED` where kept, else its drop kind (fixed shape).
+        Paged entries are kept as shifted pages (`_shifted_pages`), clamped by construction."""
         return self._kind_rows.index_select(0, ids).masked_fill_(kept, _RECYCLED)
+
+    def _failure_codes(self, data: tuple) -> torch.Tensor:
+        # A page counts once, on its last entry named (`first`), an id outside the pool per id.
+        shifted, allocated, first = data
+        entry = self._entry_rows.index_select(0, shifted).masked_fill_(allocated, _NO_DROP)
+        counted = first | (self._kind_rows.index_select(0, shifted) == _OUTSIDE)
+        return entry.masked_fill_(~counted, _NO_DROP)
 
     def _free(
         self,
@@ -679,7 +729,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         owned: bool,
         checks: bool,
         skip_nonpositive: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> Report | None:
         """See the base class. `skip_nonpositive`: entries <= 0 name no slot (an SWA page's
         unmapped slots) and are ignored: neither freed nor counted nor reported."""
         rows = self._rows
@@ -697,14 +747,11 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         # fixed `[1:]` drops it together with every hole. (Put in front: CPU sort is very slow
         # on an ascending run that ends in its minimum.)
         kept = torch.unique(torch.cat([self._zero_page, shifted * allocated]))[1:].sub_(1)
-        self._keep_pending(shifted, allocated, first)
+        self._keep_pending(shifted, allocated, first, checks)
         self._give_back(kept, at_head=True, may_hold_holes=False)
         if not checks:
             return None
-        code = self._outcome_codes(shifted, allocated)
-        ok = code != self._report_codes
-        ok |= ~(first | (code == _OUTSIDE))
-        return ok, free_index
+        return self._failure_codes, (shifted, allocated, first), free_index
 
 
 def create_sub_allocator(

@@ -30,19 +30,19 @@ from engine_stub.invariants import (
     Bucket,
     InClosedRange,
     Invariant,
-    InvariantCheckLevel,
     IsZero,
     Positive,
     checks_enabled,
     drain_firings,
     expect,
-    override_level,
+    note_failures,
 )
 from engine_stub.mem.allocator import (
-    _REPORTS,
+    DROP_REPORT,
     AllocatorState,
     BaseTokenToKVPoolAllocator,
     PagedTokenToKVPoolAllocator,
+    Report,
     create_sub_allocator,
     num_new_pages,
 )
@@ -75,24 +75,19 @@ POOL_BOUND = Invariant(
 )
 
 
-def _report_drops(*reports: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Add the sub-allocators' bad-free drops to their invariants' count paths, as one report.
+def _report_drops(first: Report | None, second: Report | None = None) -> None:
+    """Put the sub-allocators' bad-free drops on their invariants' record, as one report.
 
-    Each report is `(ok, slots)` from a sub-allocator's `_free` (None: checks were off or nothing
-    was freed); joined, the firings list the same slots in the same order as separate reports.
-    Count-only at every level, never a crash point (see `engine_stub.mem.allocator`).
+    Each report is what a sub-allocator's `_free` returned (None: checks were off or nothing was
+    freed); its counts were kept with the free. Joined, the firings list the same slots in the
+    same order as separate reports. Count-only at every level, never a crash point (see
+    `engine_stub.mem.allocator`).
     """
-    parts = [r for r in reports if r is not None]
-    if not parts:
-        return
-    if len(parts) == 1:
-        ok, slots = parts[0]
+    if first is None:
+        if second is not None:
+            note_failures(DROP_REPORT, (second,))
     else:
-        ok = torch.cat([p[0] for p in parts], dim=1)
-        slots = torch.cat([p[1] for p in parts])
-    with override_level(InvariantCheckLevel.WARN):
-        for row, (inv, msg) in enumerate(_REPORTS):
-            expect(inv, ok[row], msg, slots=slots)
+        note_failures(DROP_REPORT, (first,) if second is None else (first, second))
 
 
 @dataclass(frozen=True)
@@ -296,15 +291,17 @@ class SWATokenToKVPoolAllocator:
             free_index = free_index.to(torch.int64)
         mapping = self.full_to_swa_index_mapping
         checks = checks_enabled()
+        # Gathers are `torch.take`: on a 1-D mapping the same values and errors as
+        # `mapping[idx]` (negative ids wrap), at a fraction of advanced indexing's cost.
         if self.page_size == 1:
-            swa_indices = mapping[free_index]
+            swa_indices = torch.take(mapping, free_index)
             if checks:
                 # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
                 expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
             mapping.index_fill_(0, free_index, 0)
         else:
             mapping_indices = self._expand_to_full_pages(free_index)
-            swa_indices = mapping[mapping_indices]
+            swa_indices = torch.take(mapping, mapping_indices)
             mapping.index_fill_(0, mapping_indices, 0)
         swa_report = self._release_swa_unreported(swa_indices, checks)
         full_report = self.full_attn_allocator._free(free_index, owned=False, checks=checks)
@@ -318,7 +315,7 @@ class SWATokenToKVPoolAllocator:
             free_index = free_index.to(torch.int64)
         mapping = self.full_to_swa_index_mapping
         if self.page_size == 1:
-            swa_indices = mapping[free_index]
+            swa_indices = torch.take(mapping, free_index)
             if not self.revert_pr_36723:
                 # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
                 expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
@@ -326,7 +323,7 @@ class SWATokenToKVPoolAllocator:
             mapping.index_fill_(0, free_index, 0)
         else:
             mapping_indices = self._expand_to_full_pages(free_index)
-            swa_indices = mapping[mapping_indices]
+            swa_indices = torch.take(mapping, mapping_indices)
             mapping.index_fill_(0, mapping_indices, 0)
         group = self.free_group
         if group is not None:
@@ -346,11 +343,9 @@ class SWATokenToKVPoolAllocator:
         return torch.add(self._page_offsets, first_pages.unsqueeze(1), alpha=page).reshape(-1)
 
     def _release_swa(self, swa_indices: torch.Tensor) -> None:
-        _report_drops(self._release_swa_unreported(swa_indices, checks_enabled()), None)
+        _report_drops(self._release_swa_unreported(swa_indices, checks_enabled()))
 
-    def _release_swa_unreported(
-        self, swa_indices: torch.Tensor, checks: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _release_swa_unreported(self, swa_indices: torch.Tensor, checks: bool) -> Report | None:
         """Free SWA ids of ours on the SWA side; returns its drop report (see `_report_drops`).
 
         Past a pool-bound breach the report is made here, before the bound check that crashes at
@@ -369,7 +364,7 @@ class SWATokenToKVPoolAllocator:
         else:
             report = side._free(swa_indices, owned=True, checks=checks)
         if side.available_size() > side.size:  # (it is never negative)
-            _report_drops(report, None)
+            _report_drops(report)
             report = None
             self._expect_within_bound(side)
         return report
@@ -386,12 +381,12 @@ class SWATokenToKVPoolAllocator:
         if checks and not self.revert_pr_36723:
             expect(
                 SWA_PEER_RELEASED,
-                self.full_to_swa_index_mapping[free_index],
+                torch.take(self.full_to_swa_index_mapping, free_index),
                 "caller wants free",
                 slots=free_index,
             )
         if self.free_group is None:
-            _report_drops(self.full_attn_allocator._free(free_index, owned=False, checks=checks), None)
+            _report_drops(self.full_attn_allocator._free(free_index, owned=False, checks=checks))
         else:
             # A copy: the caller may mutate its view before the group ends.
             self.full_free_group.append(free_index.clone())
