@@ -276,7 +276,7 @@ def test_json_schema_has_every_top_level_key() -> None:
     schema = json_schema()
     assert schema["$schema"].endswith("2020-12/schema")
     assert set(schema["properties"]) == {"name", "description", "seed", "engine", "workload",
-                                         "perturbations", "expect"}
+                                         "perturbations", "expect", "regressions"}
     assert schema["additionalProperties"] is False
     assert "window" in schema["properties"]["engine"]["properties"]
     assert "strip_swa_mapping" in schema["properties"]["perturbations"]["items"]["properties"]["kind"]["enum"]
