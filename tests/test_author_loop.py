@@ -71,3 +71,14 @@ def test_diff_and_report_import_no_torch(tmp_path: Path) -> None:
     assert _run("diff", str(run), str(run)) == {"code": 0, "loaded": []}
     assert _run("report", str(run)) == {"code": 0, "loaded": []}
     assert (run / "index.html").is_file()
+
+
+def test_run_into_a_used_report_dir_is_refused_and_keeps_its_files(tmp_path: Path, capsys) -> None:
+    from canaries.cli import main
+
+    used = tmp_path / "report"
+    used.mkdir()
+    (used / "verdicts.jsonl").write_text('{"scenario": "old"}\n')
+    assert main(["run", "configs/scenarios/clean-page1-noradix.yaml", "--report-dir", str(used)]) == 2
+    assert f"--report-dir {used}: already holds files" in capsys.readouterr().err
+    assert (used / "verdicts.jsonl").read_text() == '{"scenario": "old"}\n'

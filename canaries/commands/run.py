@@ -213,6 +213,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--runtime {args.runtime!r}: valid runtimes: {', '.join(RUNTIMES)}")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
+    report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
+    if report_dir.is_dir() and any(report_dir.iterdir()):
+        # Event logs and verdicts.jsonl are appended to: a second run into the same directory
+        # would be judged together with the first one's events (and its old report lost).
+        raise UsageError(f"--report-dir {report_dir}: already holds files (a run?); "
+                         "give a new or empty directory")
+    if report_dir.exists() and not report_dir.is_dir():
+        raise UsageError(f"--report-dir {report_dir}: exists and is not a directory")
     if args.start is not None:
         os.environ["CANARY_ENGINE_START"] = args.start  # read by every LocalRuntime of this run
     if args.runtime == "local" and os.environ.get("CANARY_ENGINE_START", "auto") != "fresh":
@@ -235,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
         except DockerUnavailable as exc:
             raise UsageError(str(exc)) from None
     engine_root = _planted(args.regression)
-    report_dir = Path(args.report_dir) if args.report_dir else default_report_dir(new_run_id())
     print(f"canary: {len(scenarios)} scenario(s), runtime {args.runtime}, jobs {args.jobs}, "
           f"report {report_dir}", flush=True)
     from canaries.runtime.safety import SignalLatch, install_sigterm_handler
