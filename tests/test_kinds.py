@@ -44,7 +44,6 @@ class FakeView:
 
     def __init__(self, reqs: Sequence[ReqState], *, radix_held: Sequence[int] = ()) -> None:
         self.window, self.page_size, self.has_radix_cache = WINDOW, PAGE, bool(radix_held)
-        self.revert_pr_36723 = False
         self._reqs = list(reqs)
         self.table = torch.zeros((4, 64), dtype=torch.int32)
         for req in reqs:  # request row r holds slots 100*r+1+position
@@ -207,11 +206,6 @@ class TestBeforeStep:
         view = FakeView([A], radix_held=[5, 250])  # slot 5 is a's too
         damage = _only(_call("flip_kv_byte", BeforeStep(), view, TargetSpec(request="cached")))
         assert (damage.slot, damage.request, damage.position) == (250, None, None)
-
-    def test_revert_pr_36723_flips_the_switch_once(self) -> None:
-        view = FakeView([A])
-        assert _only(_call("revert_pr_36723", BeforeStep(), view)).kind == "switch"
-        assert view.revert_pr_36723 and _call("revert_pr_36723", BeforeStep(), view) is None
 
     def test_request_index_beyond_the_running_ones_does_not_land(self) -> None:
         assert _call("strip_swa_mapping", BeforeStep(), FakeView([A, B]),

@@ -167,7 +167,7 @@ def test_judge_clean_run_with_bad_output_is_inconclusive(kw: dict, fragment: str
 def test_judge_a_perturbation_that_never_landed_is_not_injected() -> None:
     # The second perturbation (the one the first only sets up) never landed: a miss proves nothing.
     two = replace(scenario(replace(FIRES, verdict="MISSED")),
-                  perturbations=(PerturbationSpec("revert_pr_36723"), PerturbationSpec("double_free_swa")))
+                  perturbations=(PerturbationSpec("strip_swa_mapping"), PerturbationSpec("double_free_swa")))
     record = judge(two, obs([start(), landed(5), shutdown(9)], 0))
     assert record.verdict == "NOT_INJECTED" and not record.passed
     assert "perturbations[1] (double_free_swa) never landed" in record.reason

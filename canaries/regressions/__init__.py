@@ -44,6 +44,8 @@ class Regression:
         models: the real bug it stands for, in a sentence.
         caught_by: scenario names expected to kill it.
         equivalent: why no scenario can tell it apart (instead of `caught_by`).
+        also: further `(old, new)` edits of the same file, for a bug that spans two places
+            (each applied after the ones before it, each checked to occur exactly once).
     """
 
     name: str
@@ -54,6 +56,7 @@ class Regression:
     models: str
     caught_by: tuple[str, ...] = ()
     equivalent: str | None = None
+    also: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -62,8 +65,9 @@ class Regression:
             raise RegressionError(f"{self.name}: area {self.area!r} is not one of {', '.join(AREAS)}")
         if not self.file.startswith(f"{ENGINE_PACKAGE}/") or not self.file.endswith(".py"):
             raise RegressionError(f"{self.name}: file {self.file!r} must be a .py under {ENGINE_PACKAGE}/")
-        if not self.old or self.old == self.new:
-            raise RegressionError(f"{self.name}: old must be non-empty and differ from new")
+        for old, new in ((self.old, self.new), *self.also):
+            if not old or old == new:
+                raise RegressionError(f"{self.name}: old must be non-empty and differ from new")
         if bool(self.caught_by) == bool(self.equivalent):
             raise RegressionError(f"{self.name}: give exactly one of caught_by (scenarios) and equivalent (a reason)")
         if not self.models.strip():
@@ -76,11 +80,14 @@ class Regression:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise RegressionError(f"{self.name}: cannot read {self.file}: {exc}") from None
-        count = text.count(self.old)
-        if count != 1:
-            raise RegressionError(f"{self.name}: its snippet occurs {count} times in {self.file} "
-                                  "(it must occur exactly once; the code moved on: update the entry)")
-        mutated = text.replace(self.old, self.new)
+        mutated = text
+        for i, (old, new) in enumerate(((self.old, self.new), *self.also)):
+            count = mutated.count(old)
+            if count != 1:
+                which = "its snippet" if i == 0 else f"its snippet also[{i - 1}]"
+                raise RegressionError(f"{self.name}: {which} occurs {count} times in {self.file} "
+                                      "(it must occur exactly once; the code moved on: update the entry)")
+            mutated = mutated.replace(old, new)
         path.write_text(mutated, encoding="utf-8")
         return "".join(difflib.unified_diff(text.splitlines(True), mutated.splitlines(True),
                                             f"a/{self.file}", f"b/{self.file}", n=2))

@@ -43,3 +43,11 @@ regression(
            "as live nodes",
     caught_by=("clean-page1-radix",),
 )
+regression(
+    name="finish.radix-tail-page-leaked", area="finish", file=SCHED,
+    old="        aligned = _page_floor(kv_len, page)\n        self.allocator.free(slots[aligned:])\n",
+    new="        aligned = _page_floor(kv_len, page)\n",
+    models="with a radix cache, finishing inserts the page-aligned part and forgets to free the "
+           "partial last page (page_size > 1): both pools leak a page per request",
+    caught_by=("clean-page16-radix",),
+)

@@ -25,3 +25,26 @@ regression(
     models="the request-row idle ledger is computed but its verdict ignored",
     caught_by=("leak-request",),
 )
+regression(
+    name="ledgers.radix-sanity-ignored", area="ledgers", file=IDLE,
+    old="                (RADIX_SANITY, not problems,",
+    new="                (RADIX_SANITY, True,",
+    models="the radix sanity check at idle lists its problems but never fails",
+    caught_by=("corrupt-r2t-freed-slot-idle",),
+)
+regression(
+    name="ledgers.swa-counts-tombstones", area="ledgers", file=IDLE,
+    old='               "evictable": tree.swa_evictable_size() if tree else 0,\n',
+    new='               "evictable": tree.full_evictable_size() if tree else 0,\n',
+    models="the SWA ledger counts the tree's full-side evictable tokens, tombstones included, as "
+           "SWA-evictable: a healthy engine with tombstones looks over-full",
+    caught_by=("clean-page1-radix",),
+)
+regression(
+    name="ledgers.strict-switch-inverted", area="ledgers", file=IDLE,
+    old="        level = InvariantCheckLevel.STRICT if self.strict else InvariantCheckLevel.WARN\n",
+    new="        level = InvariantCheckLevel.WARN if self.strict else InvariantCheckLevel.STRICT\n",
+    models="strict_mem_check_during_idle is read backwards: a leak crashes the engine only when "
+           "the switch says to count and log",
+    caught_by=("leak-request-strict-idle", "leak-request"),
+)

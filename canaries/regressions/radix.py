@@ -18,3 +18,95 @@ regression(
     models="inserting an already cached range never frees the incoming duplicate slots (a leak)",
     caught_by=("clean-cache-hits",),
 )
+regression(
+    name="radix.delete-tombstone-through-free", area="radix", file=RADIX,
+    old=("        if node.swa_tombstone:  # its SWA side is gone already\n"
+         "            self.allocator.free_full(node.value)\n"),
+    new=("        if node.swa_tombstone:  # its SWA side is gone already\n"
+         "            self.allocator.free(node.value)\n"),
+    models="eviction deletes a tombstoned node through free instead of free_full: its mapping "
+           "entries read as the padding slot, so free_swa meets unmapped peers (the bug PR "
+           "#36723's comment names)",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.tombstone-keeps-swa", area="radix", file=RADIX,
+    old=("                self.allocator.free_swa(victim.value)\n"
+         "                self.swa_lru_list.remove_node(victim)\n"),
+    new="                self.swa_lru_list.remove_node(victim)\n",
+    models="the SWA phase of eviction marks a node tombstone without releasing its SWA slots: "
+           "they leak, and the node's slots stay mapped",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.match-accepts-tombstoned-window", area="radix", file=RADIX,
+    old=("        if since_tombstone >= self.window:\n"
+         "            best_node, best_len = node, pos\n"
+         "        self.full_lru_list"),
+    new=("        best_node, best_len = node, pos  # however few live tokens follow a tombstone\n"
+         "        self.full_lru_list"),
+    models="a prefix match is accepted although fewer than `window` live tokens follow its last "
+           "tombstone: the request's first forward reads SWA KV that was released",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.dup-frees-evicted-swa", area="radix", file=RADIX,
+    old="            cut = min(max(evicted, lo), hi)\n",
+    new="            cut = lo\n",
+    models="inserting a copy of a live cached range frees all of it through free, including the "
+           "part whose SWA peers the window already released",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.recover-leaks-old-full", area="radix", file=RADIX,
+    old=("        else:\n"
+         "            self.allocator.free_full(node.value)\n"
+         "            node.value = incoming.clone()\n"),
+    new=("        else:\n"
+         "            node.value = incoming.clone()\n"),
+    models="tombstone recovery adopts the incoming live copy and forgets to free the tombstone's "
+           "own full slots (a full-pool leak)",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.split-drops-lock", area="radix", file=RADIX,
+    old=("            full_lock_ref=child.full_lock_ref,\n"
+         "            swa_lock_ref=child.swa_lock_ref,\n"),
+    new=("            full_lock_ref=0,\n"
+         "            swa_lock_ref=0,\n"),
+    models="splitting a locked node gives the new parent no lock refs: a running request's "
+           "prefix becomes evictable, and its unlock drives the counts negative",
+    caught_by=("clean-cache-hits",),
+)
+regression(
+    name="radix.lock-skips-swa", area="radix", file=RADIX,
+    old="            if swa_open:\n                n.swa_lock_ref += 1\n",
+    new="            if swa_open:\n                pass  # the SWA lock is never taken\n",
+    models="inc_lock_ref takes the full lock but not the SWA lock of the matched window: the "
+           "SWA phase may tombstone a prefix a running request reads, and the unlock underflows",
+    caught_by=("clean-cache-hits",),
+)
+regression(
+    name="radix.full-phase-ignores-lock", area="radix", file=RADIX,
+    old="        return next((n for n in self._order.values() if self._lock(n) == 0 and n.is_leaf), None)\n",
+    new="        return next((n for n in self._order.values() if n.is_leaf), None)\n",
+    models="the full phase of eviction picks the least recently used leaf even when a running "
+           "request holds it: its KV is freed under the request",
+    caught_by=("clean-radix-tombstone-churn",),
+)
+regression(
+    name="radix.swa-phase-deletes-locked-leaf", area="radix", file=RADIX,
+    old="            if victim.is_leaf and victim.full_lock_ref == 0:\n",
+    new="            if victim.is_leaf:\n",
+    models="the SWA phase deletes (full side too) a leaf that a running request holds in full, "
+           "instead of only tombstoning it",
+    equivalent=(
+        "The SWA phase's victim comes from swa_lru_list.lru_no_lock(): live, swa_lock_ref == 0. A "
+        "leaf with full_lock_ref > 0 always has swa_lock_ref > 0: locks come only from "
+        "inc_lock_ref(match.last_node), and match_prefix's last node is live (the root aside, which "
+        "is never listed), so the lock's first node takes an SWA ref; a locked node's ancestors "
+        "keep the locked child (neither eviction phase removes a node with full_lock_ref > 0, nor "
+        "does the cascade), so the only leaf on a lock's path is its last node; the SWA phase never "
+        "tombstones a node with an SWA ref; a split copies both refs to the new parent and leaves "
+        "the leaf its own. So a leaf victim has full_lock_ref == 0 and both branches agree"),
+)

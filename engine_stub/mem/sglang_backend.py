@@ -102,8 +102,6 @@ class SGLangSWAAllocator:
     """
 
     backend = "sglang"
-    # Our allocator's debug switch has no counterpart in SGLang's code: setting it changes nothing.
-    revert_pr_36723 = False
 
     def __init__(self, size: int, size_swa: int, page_size: int = 1, device: torch.device | str = "cpu",
                  *, dtype: torch.dtype = torch.float64, kvcache: Any = None, need_sort: bool = False) -> None:

@@ -145,8 +145,6 @@ class SWATokenToKVPoolAllocator:
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         self.free_group: list[torch.Tensor] | None = None
         self.full_free_group: list[torch.Tensor] = []
-        # Debug switch (like SGLANG_DEBUG_REVERT_PR): the pre-PR-36723 silent filter, no checks.
-        self.revert_pr_36723 = False
         self._kvcache = kvcache
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)
@@ -283,7 +281,7 @@ class SWATokenToKVPoolAllocator:
         """
         if free_index.numel() == 0:
             return
-        if self.free_group is not None or self.revert_pr_36723:
+        if self.free_group is not None:
             self.free_swa(free_index)
             self.free_full(free_index)
             return
@@ -316,9 +314,8 @@ class SWATokenToKVPoolAllocator:
         mapping = self.full_to_swa_index_mapping
         if self.page_size == 1:
             swa_indices = torch.take(mapping, free_index)
-            if not self.revert_pr_36723:
-                # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
-                expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
+            # No `> 0` filter here: its data-dependent shape would cost a device-to-host sync.
+            expect(SWA_PEER_MAPPED, swa_indices, "caller wants free_full", slots=free_index)
             # index_fill_, not `mapping[idx] = 0`: assigning a host scalar is a blocking H2D copy.
             mapping.index_fill_(0, free_index, 0)
         else:
@@ -352,11 +349,7 @@ class SWATokenToKVPoolAllocator:
         STRICT, so that its drops are on record first (as an unfused free reports them).
         """
         side = self.swa_attn_allocator
-        if self.revert_pr_36723:
-            # The pre-PR silent filter (a sync).
-            swa_indices = swa_indices[swa_indices > 0]
-            report = side._free(swa_indices, owned=True, checks=checks) if swa_indices.numel() else None
-        elif self.page_size > 1:
+        if self.page_size > 1:
             # HiCache load-back can leave unmapped slots inside a page. SGLang filters them out
             # once per group (a sync); the paged free skips them in place instead, fixed-shape,
             # ahead of the dedup it syncs for anyway: the same slots freed, counted, reported.
@@ -378,7 +371,7 @@ class SWATokenToKVPoolAllocator:
         # Checked at enqueue: a cache action later in this group may pair the slot again, and
         # that new peer is not this call's to judge.
         checks = checks_enabled()
-        if checks and not self.revert_pr_36723:
+        if checks:
             expect(
                 SWA_PEER_RELEASED,
                 torch.take(self.full_to_swa_index_mapping, free_index),
@@ -495,7 +488,6 @@ class PureSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         self.full_to_swa_index_mapping = mapping
         self.free_group = None
         self.full_free_group = []
-        self.revert_pr_36723 = False
         self._kvcache = kvcache
         if kvcache is not None:
             kvcache.register_mapping(self.full_to_swa_index_mapping)

@@ -100,7 +100,6 @@ class EngineView(Protocol):
     window: int
     page_size: int
     has_radix_cache: bool
-    revert_pr_36723: bool  # the allocator's switch back to its pre-PR-36723 frees (read/write)
 
     def running(self) -> list[ReqState]:
         """Running requests that have KV (kv_len > 0), sorted by rid."""

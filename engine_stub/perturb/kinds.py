@@ -257,18 +257,6 @@ def flip_kv_byte(ctx: KindContext[BeforeStep]) -> Landing | None:
                 detail=f"layer {layer} byte {byte} of K"),))
 
 
-@register_kind("revert_pr_36723", Site.BEFORE_STEP, caught_by=())
-def revert_pr_36723(ctx: KindContext[BeforeStep]) -> Landing | None:
-    """Restore the allocator's pre-PR-36723 behaviour: free_swa silently filters unmapped peers, free_full checks nothing.
-    Nothing should catch a damage this hides: its scenarios expect the suite to report MISSED."""
-    view = ctx.view
-    if view.revert_pr_36723:
-        return None
-    view.revert_pr_36723 = True
-    return Landing({"before": False, "after": True, "switch": "revert_pr_36723"},
-                   (Damage("switch", before=False, after=True, detail="revert_pr_36723"),))
-
-
 # ---- kinds on window eviction ----------------------------------------------------------------------
 
 

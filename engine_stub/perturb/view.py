@@ -28,14 +28,6 @@ class SchedulerView:
         self.page_size = sched.page_size
         self.has_radix_cache = sched.tree_cache is not None
 
-    @property
-    def revert_pr_36723(self) -> bool:
-        return bool(self._sched.allocator.revert_pr_36723)
-
-    @revert_pr_36723.setter
-    def revert_pr_36723(self, value: bool) -> None:
-        self._sched.allocator.revert_pr_36723 = bool(value)
-
     def running(self) -> list[ReqState]:
         return sorted((ReqState.of(r) for r in self._sched.running if r.kv_len > 0),
                       key=lambda r: r.rid)
