@@ -148,9 +148,13 @@ def run_campaign(
         if missing:
             raise RegressionError(f"{m.name}: caught_by names unknown scenarios: {', '.join(missing)}")
 
+    # A scenario that plants catalogue entries of its own (`regressions:`) judges that broken
+    # engine, not a mutant: it cannot run on a mutant's copy, and is left out of the "all" set.
+    unplanted = [s for s in scenarios if not getattr(s, "regressions", ())]
+
     def chosen(m: Regression) -> list[Any]:
         if all_scenarios or not m.caught_by:
-            return list(scenarios)
+            return list(unplanted)
         return [by_name[n] for n in m.caught_by]
 
     needed = sorted({s.name for m in mutants if not m.equivalent for s in chosen(m)})

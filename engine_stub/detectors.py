@@ -83,6 +83,8 @@ CATALOGUE: tuple[Detector, ...] = (
     # ---- the scheduler (engine_stub/scheduler.py)
     Detector("sched.decode_stall", "GUARD", "Scheduler._schedule_decode",
              "decode could not allocate one slot per running request (a pool ran dry)"),
+    Detector("sched.admission_stall", "GUARD", "Scheduler.step",
+             "nothing runs and the next waiting request cannot be admitted (something leaked)"),
     # ---- the KV canary's reasons (engine_stub/kv_canary.py REASONS), in its order
     Detector("kv_canary.verify_chain_hash", "KV_CANARY", "KVCanary.verify, KVCanary.sweep",
              "a slot's chain link (token and position of the position before) does not match"),

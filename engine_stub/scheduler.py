@@ -56,6 +56,10 @@ DECODE_STALL = Invariant(
     "sched.decode_stall", Bucket.GUARD, IsTrue(), site="Scheduler._schedule_decode",
     description="decode could not allocate one slot per running request (a pool ran dry)",
 )
+ADMISSION_STALL = Invariant(
+    "sched.admission_stall", Bucket.GUARD, IsTrue(), site="Scheduler.step",
+    description="nothing runs and the next waiting request cannot be admitted (something leaked)",
+)
 
 
 class CanaryRaised(RuntimeError):
@@ -192,7 +196,35 @@ class Scheduler:
             batch_reqs = self._schedule_decode()
         if batch_reqs:
             self._run_batch(kind, batch_reqs)
+        elif self.waiting and not self.running:
+            self._admission_stalled()
         self._end_of_step(kind if batch_reqs else "stall")
+
+    def _admission_stalled(self) -> None:
+        """Nothing runs, yet the head of the queue cannot be admitted.
+
+        A request no empty engine could admit is refused at `add_request`, so an engine with
+        nothing running must admit its next request: whatever blocks it (pool slots, request
+        rows, radix locks) is held by no running request, i.e. leaked. SGLang would wait here
+        forever (its idle checks wait for a fully idle engine); we run the idle ledgers first,
+        which name what leaked, then fire the guard. Where neither crashes the engine, the
+        head request is aborted (the client gets a 503), so a leaking engine cannot spin.
+        """
+        self.events.write("admission_stall", waiting=len(self.waiting),
+                          full_available=self.allocator.full_available_size(),
+                          swa_available=self.allocator.swa_available_size(),
+                          free_rows=self.req_to_token_pool.available_size())
+        self.idle_tick()
+        drain_firings()  # the ledgers' firings on record before the guard can crash the engine
+        expect(ADMISSION_STALL, torch.tensor(False), "an idle engine cannot admit its next request")
+        head = self.waiting.pop(0)
+        self.stats["aborted_requests"] += 1
+        head.finish_reason = "abort"
+        head.finished_step = self.step_no
+        self.events.write("request_finished", rid=head.rid, output_len=0, admitted_step=-1,
+                          finish_reason="abort")
+        if head.on_finish is not None:
+            head.on_finish(head)
 
     def _run_batch(self, kind: str, reqs: list[Req]) -> None:
         batch, canary_reqs = self._forward_batch(kind, reqs)

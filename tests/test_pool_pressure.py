@@ -116,3 +116,37 @@ def test_abort_frees_a_running_request_at_the_next_step(tmp_path: Path) -> None:
     assert all(ledger["delta"] == 0 for ledger in state["last_idle_check"]["ledgers"].values())
     finishes = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "request_finished"]
     assert [(e["rid"], e["finish_reason"]) for e in finishes] == [("gone", "abort")]
+
+
+@pytest.mark.parametrize("level", ["strict", "warn"])
+def test_leaked_rows_make_an_idle_engine_fire_admission_stall_not_hang(tmp_path: Path, level: str) -> None:
+    # Planted: every request row taken by no request (a row leak), then one request arrives.
+    config = EngineConfig(device="cpu", invariant_check=level, strict_mem_check_during_idle=False,
+                          event_log=str(tmp_path / "events.jsonl"))
+    engine = Engine(config, exit_on_crash=False)
+    rows = engine.scheduler.req_to_token_pool
+    leaked = [Req(rid=f"leak{i}", origin_input_ids=[1], max_new_tokens=1) for i in range(rows.available_size())]
+    rows.alloc(leaked)
+    finished = threading.Event()
+    engine.start()
+    try:
+        req = engine.submit(_prompts(1, seed=5)[0], 8, rid="starved", on_finish=lambda r: finished.set())
+        if level == "strict":
+            for _ in range(500):
+                if engine.state()["crash"] is not None:
+                    break
+                threading.Event().wait(0.01)
+            crash = engine.state()["crash"]
+            assert crash is not None and "[sched.admission_stall]" in crash["error"], crash
+        else:
+            assert finished.wait(10), "the starved request hung"
+            assert req.finish_reason == "abort" and req.output_ids == []
+            assert engine.state()["invariant_hits"]["sched.admission_stall"] >= 1
+    finally:
+        engine.stop(drain_timeout_s=1)
+    events = read_events(tmp_path / "events.jsonl")
+    stall = next(e for e in events if e["kind"] == "admission_stall")
+    assert stall["free_rows"] == 0 and stall["waiting"] == 1
+    # The ledgers ran first and name the leak.
+    idle = next(e for e in events if e["kind"] == "idle_check")
+    assert idle["ledgers"]["req_rows"]["delta"] != 0

@@ -11,7 +11,7 @@ regression(
     new="        pages = sum(seq % self.page_size == 0 for seq in seq_lens)\n",
     models="the paged decode capacity check counts the requests that start a page one token "
            "early: near exhaustion it lets a decode through that a side then cannot serve",
-    caught_by=("never-evict-swa-page16",),
+    caught_by=("never-evict-swa-exact-fit-page16",),
 )
 regression(
     name="paged.decode-offset-off-by-one", area="paged", file=ALLOC,

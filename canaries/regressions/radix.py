@@ -27,7 +27,7 @@ regression(
     models="eviction deletes a tombstoned node through free instead of free_full: its mapping "
            "entries read as the padding slot, so free_swa meets unmapped peers (the bug PR "
            "#36723's comment names)",
-    caught_by=("clean-radix-tombstone-churn",),
+    caught_by=("clean-pressure-full-evict", "clean-pressure-swa-tombstone", "clean-radix-full-evict"),
 )
 regression(
     name="radix.tombstone-keeps-swa", area="radix", file=RADIX,

@@ -149,6 +149,9 @@ def build_timeline(events: list[dict]) -> Timeline:
                 f"step {step}: engine crashed ({e.get('cause')}): {e.get('error', '')}")[:300]))
         elif kind == "decode_stall":
             tl.markers.append(Marker("stall", step, f"step {step}: decode stalled (a pool ran dry)"))
+        elif kind == "admission_stall":
+            tl.markers.append(Marker("stall", step, (
+                f"step {step}: nothing runs and the next request cannot be admitted")))
         det = _detector(e)
         if det is not None:
             counts = firings_by_step.setdefault(step, {})

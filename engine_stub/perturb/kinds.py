@@ -350,10 +350,12 @@ def double_free_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
 
 
 @register_kind("leak_request", Site.ON_REQUEST_FINISH,
-               caught_by=("idle.full_ledger", "idle.swa_ledger", "idle.req_rows_ledger"))
+               caught_by=("idle.full_ledger", "idle.swa_ledger", "idle.req_rows_ledger",
+                          "sched.admission_stall"))
 def leak_request(ctx: KindContext[RequestFinish]) -> Landing | None:
     """Never free a finished request: its row and its slots stay taken.
-    The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger)."""
+    The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger); once every
+    row is leaked, sched.admission_stall."""
     req = _site_target(ctx)
     if req is None:
         return None

@@ -1,0 +1,111 @@
+"""Clean controls over many seeds: zero false alarms, or the gate's green means nothing.
+
+Every library scenario that expects `clean: true` is copied once per seed (its `seed`, which
+drives the prompts, the sampler and the model weights, replaced; its name suffixed `-s<seed>`),
+and all the copies run in one `canary run` (warm engines, `--jobs J`). Prints, per control, how
+many seeds stayed CLEAN and the verdict and reason of every one that did not; exits 1 on any.
+
+    python scripts/controls_seeds.py                  # every control, seeds 1..20
+    python scripts/controls_seeds.py --seeds 50 -k pressure --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "configs" / "scenarios"
+
+
+def controls(name_filter: str | None) -> list[tuple[Path, dict]]:
+    """The library's clean controls (path, parsed document), sorted by name."""
+    found = []
+    for path in sorted(LIBRARY.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not (doc.get("expect") or {}).get("clean"):
+            continue
+        if name_filter and name_filter.lower() not in doc["name"].lower():
+            continue
+        found.append((path, doc))
+    return found
+
+
+def write_copies(chosen: list[tuple[Path, dict]], seeds: range, into: Path) -> dict[str, str]:
+    """One file per (control, seed) under `into`; maps each copy's name to its control's."""
+    origin = {}
+    for path, doc in chosen:
+        for seed in seeds:
+            copy = {**doc, "name": f"{doc['name']}-s{seed}", "seed": seed,
+                    "description": f"{doc.get('description', '')} (seed {seed} of {path.name})"}
+            (into / f"{copy['name']}.yaml").write_text(yaml.safe_dump(copy, sort_keys=False),
+                                                      encoding="utf-8")
+            origin[copy["name"]] = doc["name"]
+    return origin
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=20, help="seeds 1..N per control (default 20)")
+    parser.add_argument("-k", dest="name_filter", help="only controls whose name contains this")
+    parser.add_argument("--jobs", "-j", type=int, default=2)
+    parser.add_argument("--report-dir", type=Path, help="default: a temporary directory")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    chosen = controls(args.name_filter)
+    if not chosen:
+        parser.error("no clean control matches")
+    with tempfile.TemporaryDirectory(prefix="controls-") as tmp:
+        scenarios = Path(tmp) / "scenarios"
+        scenarios.mkdir()
+        origin = write_copies(chosen, range(1, args.seeds + 1), scenarios)
+        report = args.report_dir or Path(tmp) / "report"
+        print(f"controls: {len(chosen)} controls x {args.seeds} seeds = {len(origin)} runs, "
+              f"jobs {args.jobs}, report {report}", flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "canaries.cli", "run", str(scenarios),
+                               "--jobs", str(args.jobs), "--report-dir", str(report)],
+                              cwd=ROOT, capture_output=True, text=True, check=False)
+        wall = time.monotonic() - t0
+        verdicts_file = report / "verdicts.jsonl"
+        if not verdicts_file.is_file():
+            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+            print("controls: the run wrote no verdicts", file=sys.stderr)
+            return 2
+        records = {}
+        for line in verdicts_file.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            records[record["scenario"]] = record
+    clean: dict[str, int] = defaultdict(int)
+    alarms: dict[str, list[str]] = defaultdict(list)
+    for copy, control in sorted(origin.items()):
+        record = records.get(copy)
+        if record is None:
+            alarms[control].append(f"{copy}: no verdict (the run stopped early?)")
+        elif record["verdict"] == "CLEAN":
+            clean[control] += 1
+        else:
+            alarms[control].append(f"{copy}: {record['verdict']}: {record['reason']}")
+    width = max(len(doc["name"]) for _, doc in chosen)
+    for _, doc in chosen:
+        name = doc["name"]
+        print(f"{name:<{width}}  {clean[name]:>3}/{args.seeds} CLEAN")
+        for line in alarms[name]:
+            print(f"    {line}")
+    total_alarms = sum(map(len, alarms.values()))
+    print(f"\n{len(origin) - total_alarms}/{len(origin)} CLEAN, {total_alarms} false alarm(s); "
+          f"{wall:.1f}s wall")
+    return 1 if total_alarms else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
