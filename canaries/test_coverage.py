@@ -58,20 +58,27 @@ def test_every_detector_a_scenario_expects_of_a_kind_is_claimed_by_it(kind: str)
                            "caught_by does not name: declare them where the kind registers")
 
 
-def _kill_matrix() -> dict | None:
+@pytest.fixture(scope="module")
+def kill_matrix(tmp_path_factory) -> dict:
+    """The kill matrix of a run: `CANARY_KILL_MATRIX` (a report dir or its kill_matrix.json)
+    when set, else a run of the library's perturbation scenarios made here (about 20 s)."""
     where = os.environ.get("CANARY_KILL_MATRIX")
-    if not where:
-        return None
-    path = Path(where)
+    if where:
+        path = Path(where)
+    else:
+        from canaries.runner import run_many
+
+        report = tmp_path_factory.mktemp("kill-matrix")
+        perturbed = [s for s in SCENARIOS if s.perturbations and not getattr(s, "regressions", ())]
+        run_many(perturbed, report, jobs=2, progress=False)
+        path = report
     return json.loads((path / "kill_matrix.json" if path.is_dir() else path).read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(known_kinds()))
-def test_every_detector_a_kind_claims_killed_it_in_the_run(kind: str) -> None:
-    matrix = _kill_matrix()
-    if matrix is None:
-        pytest.skip("no run to check against: set CANARY_KILL_MATRIX to a report dir")
-    fired = set(matrix["cells"].get(kind, {}))
+def test_every_detector_a_kind_claims_killed_it_in_the_run(kind: str, kill_matrix: dict) -> None:
+    fired = set(kill_matrix["cells"].get(kind, {}))
     missing = set(KINDS[kind].caught_by) - fired
     assert not missing, f"{kind} claims caught_by {sorted(missing)}, which never fired after it landed"
 
