@@ -40,15 +40,21 @@ def controls(name_filter: str | None) -> list[tuple[Path, dict]]:
 
 
 def write_copies(chosen: list[tuple[Path, dict]], seeds: range, into: Path) -> dict[str, str]:
-    """One file per (control, seed) under `into`; maps each copy's name to its control's."""
+    """One file per (control, seed) under `into`; maps each copy's name to its control's.
+
+    The copy is the file's text with its top-level `name:` and `seed:` lines replaced (not a
+    YAML round trip, which would turn the scenario's own `off` into `false`)."""
     origin = {}
     for path, doc in chosen:
+        lines = path.read_text(encoding="utf-8").splitlines()
         for seed in seeds:
-            copy = {**doc, "name": f"{doc['name']}-s{seed}", "seed": seed,
-                    "description": f"{doc.get('description', '')} (seed {seed} of {path.name})"}
-            (into / f"{copy['name']}.yaml").write_text(yaml.safe_dump(copy, sort_keys=False),
-                                                      encoding="utf-8")
-            origin[copy["name"]] = doc["name"]
+            name = f"{doc['name']}-s{seed}"
+            copy = [f"name: {name}" if line.startswith("name:") else
+                    f"seed: {seed}" if line.startswith("seed:") else line for line in lines]
+            if not any(line.startswith("seed:") for line in lines):
+                copy.append(f"seed: {seed}")
+            (into / f"{name}.yaml").write_text("\n".join(copy) + "\n", encoding="utf-8")
+            origin[name] = doc["name"]
     return origin
 
 
