@@ -121,8 +121,8 @@ def _first_read_slot(view: EngineView, req: ReqState) -> int | None:
 
 
 @register_kind("corrupt_req_to_token", Site.BEFORE_STEP, caught_by=(
-    "swa.peer_mapped", "kv_canary.verify_chain_hash", "idle.swa_ledger", "idle.radix_sanity",
-    "alloc.reserved_slot", "alloc.out_of_pool"))
+    "swa.peer_mapped", "kv_canary.verify_chain_hash", "kv_canary.verify_position", "idle.swa_ledger",
+    "idle.radix_sanity", "alloc.reserved_slot", "alloc.out_of_pool"))
 def corrupt_req_to_token(ctx: KindContext[BeforeStep]) -> Landing | None:
     """Point a req_to_token entry at another live slot, a freed slot, 0 or -1 (target.value).
     other_live_slot/zero on page_size 1: swa.peer_mapped when both owners free the slot (invariants off: kv_canary.verify_chain_hash); freed_slot: kv_canary.verify_chain_hash, else idle.swa_ledger/idle.radix_sanity; zero on larger pages: alloc.reserved_slot; minus_one: alloc.out_of_pool at its free."""
@@ -161,10 +161,11 @@ def corrupt_req_to_token(ctx: KindContext[BeforeStep]) -> Landing | None:
 
 
 @register_kind("strip_swa_mapping", Site.BEFORE_STEP,
-               caught_by=("swa.peer_mapped", "idle.swa_ledger"))
+               caught_by=("swa.peer_mapped", "idle.swa_ledger", "idle.radix_sanity"))
 def strip_swa_mapping(ctx: KindContext[BeforeStep]) -> Landing | None:
     """Zero the full-to-SWA mapping of live slots, as if their SWA peers were released without a free.
-    page_size 1: swa.peer_mapped when free_swa meets them; larger pages: the SWA idle ledger (the peers leak)."""
+    page_size 1: swa.peer_mapped when free_swa meets them; larger pages: the SWA idle ledger (the peers leak);
+    a stripped slot the radix cache then holds in a live node: idle.radix_sanity."""
     view = ctx.view
     for req in pick_requests(ctx.target, view.running(), ctx.rng):
         where = positions(ctx.target, req, view.window)
@@ -351,11 +352,11 @@ def double_free_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
 
 @register_kind("leak_request", Site.ON_REQUEST_FINISH,
                caught_by=("idle.full_ledger", "idle.swa_ledger", "idle.req_rows_ledger",
-                          "sched.admission_stall"))
+                          "sched.admission_stall", "idle.radix_sanity"))
 def leak_request(ctx: KindContext[RequestFinish]) -> Landing | None:
     """Never free a finished request: its row and its slots stay taken.
     The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger); once every
-    row is leaked, sched.admission_stall."""
+    row is leaked, sched.admission_stall; a leaked cache hit keeps its radix lock: idle.radix_sanity."""
     req = _site_target(ctx)
     if req is None:
         return None
