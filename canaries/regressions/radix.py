@@ -110,3 +110,13 @@ regression(
         "tombstones a node with an SWA ref; a split copies both refs to the new parent and leaves "
         "the leaf its own. So a leaf victim has full_lock_ref == 0 and both branches agree"),
 )
+
+regression(
+    name="radix.match-walk-bitor", area="radix", file=RADIX,
+    old="            node, pos = child, pos + common\n",
+    new="            node, pos = child, pos | common\n",
+    models="the prefix match adds each node's matched length with a bitwise or: a match through two "
+           "nodes whose lengths share bits comes up short, and the request's prefill reads SWA KV "
+           "inside a tombstone (a cosmic-ray survivor, promoted)",
+    caught_by=("clean-radix-two-node-match-page16",),
+)

@@ -61,3 +61,12 @@ regression(
         "need_sort=False, hard-wired (SGLang's value outside PD disaggregation; it is no knob). "
         "The branch never runs in any engine run; tests/test_allocator.py covers need_sort=True"),
 )
+
+regression(
+    name="suballoc.fold-first-free-only", area="suballoc", file=ALLOC,
+    old="        if len(pending) == 1:\n            ids, kept, counted, _checked = pending[0]\n",
+    new="        if not len(pending) == 1:\n            ids, kept, counted, _checked = pending[0]\n",
+    models="folding a step's pending frees reads only the first of several: the drops of a later bad "
+           "free in the same step are never counted (a cosmic-ray survivor, promoted)",
+    caught_by=("corrupt-r2t-zero-freed-after-finish-page16",),
+)
