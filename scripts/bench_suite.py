@@ -60,11 +60,12 @@ def _trace_differences(a: Path, b: Path, names: list[str]) -> list[str]:
             if trace_of(read_events(a / n / "events.jsonl")) != trace_of(read_events(b / n / "events.jsonl"))]
 
 
-def _median_time(cmd: list[str], runs: int) -> float:
+def _median_time(cmd, runs: int) -> float:
+    """Median wall time of `cmd` (a list, or a function of the run's index giving one)."""
     times = []
-    for _ in range(runs):
+    for i in range(runs):
         t0 = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(cmd(i) if callable(cmd) else cmd, cwd=ROOT, capture_output=True, check=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -94,8 +95,9 @@ def main() -> int:
           + (f" (differ: {', '.join(diffs)})" if diffs else ""))
 
     torch_s = _median_time([sys.executable, "-c", "import torch"], args.cold_runs)
-    single = _median_time([sys.executable, "-m", "canaries.cli", "run", str(SINGLE),
-                           "--report-dir", str(out / "single")], args.cold_runs)
+    # A report dir is written once: each repetition gets its own.
+    single = _median_time(lambda i: [sys.executable, "-m", "canaries.cli", "run", str(SINGLE),
+                                     "--report-dir", str(out / f"single-{i}")], args.cold_runs)
     print(f"\ncold shell: python -c 'import torch' {torch_s:.2f}s; canary run {SINGLE.name} "
           f"{single:.2f}s = {single / torch_s:.2f}x (target <= 2.5x)")
     for cmd in (["validate", "configs/scenarios"], ["list", "kinds"]):
