@@ -76,7 +76,7 @@ regression(
          "            swa_lock_ref=0,\n"),
     models="splitting a locked node gives the new parent no lock refs: a running request's "
            "prefix becomes evictable, and its unlock drives the counts negative",
-    caught_by=("clean-cache-hits",),
+    caught_by=("clean-radix-lock-split",),
 )
 regression(
     name="radix.lock-skips-swa", area="radix", file=RADIX,
