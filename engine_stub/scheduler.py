@@ -217,14 +217,7 @@ class Scheduler:
         self.idle_tick()
         drain_firings()  # the ledgers' firings on record before the guard can crash the engine
         expect(ADMISSION_STALL, torch.tensor(False), "an idle engine cannot admit its next request")
-        head = self.waiting.pop(0)
-        self.stats["aborted_requests"] += 1
-        head.finish_reason = "abort"
-        head.finished_step = self.step_no
-        self.events.write("request_finished", rid=head.rid, output_len=0, admitted_step=-1,
-                          finish_reason="abort")
-        if head.on_finish is not None:
-            head.on_finish(head)
+        self._abort_waiting(self.waiting[0])
 
     def _run_batch(self, kind: str, reqs: list[Req]) -> None:
         batch, canary_reqs = self._forward_batch(kind, reqs)
@@ -286,17 +279,21 @@ class Scheduler:
         finally:
             self.allocator.free_group_end()
 
+    def _abort_waiting(self, req: Req) -> None:
+        """Take a request that holds nothing yet off the queue, finished as aborted."""
+        self.waiting.remove(req)
+        self.stats["aborted_requests"] += 1
+        req.finish_reason = "abort"
+        req.finished_step = self.step_no
+        self.events.write("request_finished", rid=req.rid, output_len=0, admitted_step=-1,
+                          finish_reason="abort")
+        if req.on_finish is not None:
+            req.on_finish(req)
+
     def _drop_aborted(self) -> None:
         """Finish every request whose client gave up (`Req.abort_requested`), freeing its KV."""
         for req in [r for r in self.waiting if r.abort_requested]:
-            self.waiting.remove(req)
-            self.stats["aborted_requests"] += 1
-            req.finish_reason = "abort"
-            req.finished_step = self.step_no
-            self.events.write("request_finished", rid=req.rid, output_len=0, admitted_step=-1,
-                              finish_reason="abort")
-            if req.on_finish is not None:
-                req.on_finish(req)
+            self._abort_waiting(req)
         aborted = [r for r in self.running if r.abort_requested and not r.finished]
         if aborted:
             with self._free_group():
