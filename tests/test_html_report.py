@@ -610,3 +610,20 @@ def test_page_of_a_real_run(tmp_path):
     assert "<b>leak_request</b> (perturbations[0]) landed at step" in leak
     assert "radix cache + leaked" in leak
     assert not diff_runs(report, report).changed
+
+
+def test_timeline_of_a_kind_landing_every_step_stays_a_few_markers():
+    # never_evict_swa lands on every eviction and its damage is read at every next one: one
+    # marker per run of steps, not one per event (that made a library report 5 MB).
+    events = [{"kind": "step", "step": s, "full_available": 100, "swa_available": 50, "running": 1}
+              for s in range(1, 401)]
+    for s in range(3, 400):
+        events.append({"kind": "perturbation_landed", "step": s, "index": 0,
+                       "perturbation": "never_evict_swa", "site": "on_window_eviction"})
+        events += [{"kind": "perturbation_consumed", "step": s + 1, "index": 0, "by": "window eviction"}] * 5
+    tl = build_timeline(events)
+    by_kind = {k: [m for m in tl.markers if m.kind == k] for k in ("landing", "consumed")}
+    assert len(by_kind["landing"]) == 2 and by_kind["landing"][0].step == 3  # the first alone
+    assert (by_kind["landing"][1].step, by_kind["landing"][1].end) == (4, 399)
+    assert len(by_kind["consumed"]) == 1 and "1985 in all" in by_kind["consumed"][0].label
+    assert len(render_svg(tl)) < 20_000

@@ -63,6 +63,7 @@ MAX_FIRING_ROWS = 30  # grouped firing rows per scenario; the rest are counted, 
 MAX_LOG_BYTES = 256 * 1024  # read at most this much of the end of an engine.log
 LOG_CONTEXT = 8  # engine.log lines either side of the line that names the first firing
 MAX_LANDINGS = 3  # landings shown in full; the rest in a compact table
+MAX_LIFECYCLE = 12  # reads/deaths listed per landing; the rest are counted
 EVENT_CONTEXT = 3  # events either side of the first firing
 META_KEYS = ("seq", "ts", "kind", "step", "index", "perturbation", "site", "landing")
 
@@ -309,7 +310,17 @@ def _landing_html(ld: dict, lifecycle: list[dict], glossary: bool = True) -> str
     else:
         ba = ""
     known = {k for k, _ in _WHERE_KEYS} | set(META_KEYS) | {"before", "after"}
-    rest = [f"{_e(k)} <code>{_e(_value(v))}</code>" for k, v in ld.items() if k not in known]
+    rest = [f"{_e(k)} <code>{_e(_value(v))}</code>" for k, v in ld.items()
+            if k not in known and k != "damage"]
+    damage = ld.get("damage")
+    if isinstance(damage, list) and damage:
+        # Typed damage, summarised: the where/before/after above already show the first pieces.
+        kinds: dict[str, int] = {}
+        for d in damage:
+            name = str(d.get("kind")) if isinstance(d, dict) else str(d)
+            kinds[name] = kinds.get(name, 0) + 1
+        rest.append("damage <code>" + _e(", ".join(f"{k} x{n}" for k, n in kinds.items()))
+                    + "</code>")
     glossary = (f'<p class="muted small">What <code>{_e(kind)}</code> does: '
                 f'<a href="#kind-{_a(kind)}">perturbation kinds</a></p>'
                 if glossary and kind in _kind_docs() else "")
@@ -317,7 +328,9 @@ def _landing_html(ld: dict, lifecycle: list[dict], glossary: bool = True) -> str
         f'<li class="life life-{_e(ev.get("kind"))}">step {_e(ev.get("step"))}: '
         + ("read" if ev.get("kind") == "perturbation_consumed" else "died unread")
         + (f" by <code>{_e(ev.get('by'))}</code>" if ev.get("by") else "") + "</li>"
-        for ev in lifecycle)
+        for ev in lifecycle[:MAX_LIFECYCLE])
+    if len(lifecycle) > MAX_LIFECYCLE:
+        life += f'<li class="muted">... and {len(lifecycle) - MAX_LIFECYCLE} more</li>'
     return (f'<div class="landing" data-index="{_a(ld.get("index"))}"><p>{head}</p>'
             + (f"<p>{' &middot; '.join(where)}</p>" if where else "") + ba
             + (f"<p class=\"muted\">{' &middot; '.join(rest)}</p>" if rest else "")
@@ -640,7 +653,8 @@ def _scenario_html(sc: _Scenario, report_dir: Path) -> str:
         documented: set[str] = set()
         for ld in landed[:MAX_LANDINGS]:
             parts.append(_landing_html(ld, [e for e in lifecycle
-                                            if e.get("index") == ld.get("index")],
+                                            if e.get("index") == ld.get("index")
+                                            and e.get("landing", ld.get("landing")) == ld.get("landing")],
                                        glossary=str(ld.get("perturbation")) not in documented))
             documented.add(str(ld.get("perturbation")))
         if len(landed) > MAX_LANDINGS:

@@ -110,6 +110,9 @@ def build_timeline(events: list[dict]) -> Timeline:
     first_landed: int | None = None
     firings_by_step: dict[int, dict[str, int]] = {}
     early_steps: set[int] = set()
+    # Landings and damage reads by step: a kind that lands on every eviction (never_evict_swa)
+    # would otherwise draw thousands of markers.
+    damage_by_step: dict[str, dict[int, list[str]]] = {"landing": {}, "consumed": {}, "died": {}}
     for e in events:
         kind = e.get("kind")
         step = _step(e)
@@ -135,15 +138,14 @@ def build_timeline(events: list[dict]) -> Timeline:
                 other.append(tl.full_total - full - own)
         elif kind == "perturbation_landed":
             first_landed = step if first_landed is None else min(first_landed, step)
-            tl.markers.append(Marker("landing", step, (
-                f"step {step}: perturbations[{e.get('index')}] {e.get('perturbation')} landed"
-                f" at {e.get('site')}")))
+            damage_by_step["landing"].setdefault(step, []).append(
+                f"perturbations[{e.get('index')}] {e.get('perturbation')} landed at {e.get('site')}")
         elif kind in ("perturbation_consumed", "perturbation_died"):
             short = "consumed" if kind == "perturbation_consumed" else "died"
             by = f" by {e['by']}" if e.get("by") else ""
             what = "read" if short == "consumed" else "died unread"
-            tl.markers.append(Marker(short, step, (
-                f"step {step}: perturbations[{e.get('index')}]'s damage {what}{by}")))
+            damage_by_step[short].setdefault(step, []).append(
+                f"perturbations[{e.get('index')}]'s damage {what}{by}")
         elif kind == "crash":
             tl.markers.append(Marker("crash", step, (
                 f"step {step}: engine crashed ({e.get('cause')}): {e.get('error', '')}")[:300]))
@@ -158,6 +160,7 @@ def build_timeline(events: list[dict]) -> Timeline:
             counts[det] = counts.get(det, 0) + 1
             if first_landed is None or step < first_landed:
                 early_steps.add(step)
+    _damage_markers(tl, damage_by_step, first_landed)
     first_detection = min((s for s in firings_by_step
                            if first_landed is not None and s >= first_landed), default=None)
     # One marker per firing step; a run of consecutive steps with the same detectors (after the
@@ -191,6 +194,28 @@ def build_timeline(events: list[dict]) -> Timeline:
     tl.other_held = other if derivable and len(other) == len(tl.steps) and tl.steps else None
     tl.markers.sort(key=lambda m: (m.step, list(MARKER_KINDS).index(m.kind)))
     return tl
+
+
+def _damage_markers(tl: Timeline, by_step: dict[str, dict[int, list[str]]],
+                    first_landed: int | None) -> None:
+    """One marker per step and kind, and one spanning marker per run of consecutive steps (the
+    first landing always a marker of its own, for the latency band)."""
+    for kind, steps in by_step.items():
+        runs: list[list[int]] = []
+        for step in sorted(steps):
+            if runs and step == runs[-1][-1] + 1 and first_landed not in (step, runs[-1][0]):
+                runs[-1].append(step)
+            else:
+                runs.append([step])
+        for run in runs:
+            a, b = run[0], run[-1]
+            events = [label for s in run for label in steps[s]]
+            if a == b:
+                more = f" (and {len(events) - 1} more)" if len(events) > 1 else ""
+                label = f"step {a}: {events[0]}{more}"
+            else:
+                label = f"steps {a}-{b}: {events[0]} ({len(events)} in all)"
+            tl.markers.append(Marker(kind, a, label, end=b if b != a else None))
 
 
 # ---- SVG ----------------------------------------------------------------------------------------
