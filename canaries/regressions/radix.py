@@ -92,7 +92,7 @@ regression(
     new="        return next((n for n in self._order.values() if n.is_leaf), None)\n",
     models="the full phase of eviction picks the least recently used leaf even when a running "
            "request holds it: its KV is freed under the request",
-    caught_by=("clean-radix-tombstone-churn",),
+    caught_by=("clean-radix-lock-leaf-evict",),
 )
 regression(
     name="radix.swa-phase-deletes-locked-leaf", area="radix", file=RADIX,
