@@ -150,7 +150,7 @@ def run_campaign(
 
     # A scenario that plants catalogue entries of its own (`regressions:`) judges that broken
     # engine, not a mutant: it cannot run on a mutant's copy, and is left out of the "all" set.
-    unplanted = [s for s in scenarios if not getattr(s, "regressions", ())]
+    unplanted = [s for s in scenarios if not s.regressions]
 
     def chosen(m: Regression) -> list[Any]:
         if all_scenarios or not m.caught_by:

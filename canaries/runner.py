@@ -257,7 +257,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     error: str | None = None
     timed_out = False
     exit_code: int | None = None
-    regressions = tuple(getattr(scenario, "regressions", ()))
+    regressions = tuple(scenario.regressions)
     if regressions:
         # A negative test: the engine runs from a copy with these catalogue entries applied.
         from canaries.regressions import catalogue, materialize

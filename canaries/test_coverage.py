@@ -77,7 +77,7 @@ def kill_matrix(tmp_path_factory) -> dict:
         from canaries.runner import run_many
 
         report = tmp_path_factory.mktemp("kill-matrix")
-        perturbed = [s for s in SCENARIOS if s.perturbations and not getattr(s, "regressions", ())]
+        perturbed = [s for s in SCENARIOS if s.perturbations and not s.regressions]
         run_many(perturbed, report, jobs=2, progress=False)
         path = report
     return json.loads((path / "kill_matrix.json" if path.is_dir() else path).read_text())
