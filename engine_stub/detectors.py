@@ -72,6 +72,8 @@ CATALOGUE: tuple[Detector, ...] = (
     Detector("swa.peer_released", "GUARD", "SWATokenToKVPoolAllocator.free_full",
              "free_full met a slot whose SWA peer is still mapped (the peer would leak)"),
     # ---- the idle-tick ledgers (engine_stub/idle_check.py)
+    Detector("idle.answer_ledger", "GUARD", "idle_tick",
+             "an idle engine owes no answer: every request it took was answered"),
     Detector("idle.full_ledger", "GUARD", "idle_tick",
              "full pool: available + evictable + protected == total"),
     Detector("idle.radix_sanity", "GUARD", "idle_tick",

@@ -24,10 +24,14 @@ import torch
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.invariants import (
+    Bucket,
     Firing,
+    Invariant,
     InvariantCheckLevel,
     InvariantViolation,
+    IsTrue,
     drain_firings,
+    expect,
     firing_from_device_assert,
     hit_counts,
     reset_counters,
@@ -40,6 +44,11 @@ from engine_stub.scheduler import CanaryRaised, Scheduler
 __all__ = ["Engine", "EXIT_CODES"]
 
 EXIT_CODES = {"invariant": 3, "kv_canary": 4, "error": 1}
+
+ANSWER_LEDGER = Invariant(
+    "idle.answer_ledger", Bucket.GUARD, IsTrue(), site="idle_tick",
+    description="an idle engine owes no answer: every request it took was answered",
+)
 
 
 def default_event_log_path() -> Path:
@@ -86,7 +95,8 @@ class Engine:
         self.completed = 0
         self.crash: dict | None = None
         self.last_idle: dict | None = None
-        self._pending: dict[str, Req] = {}
+        self._pending: dict[str, Req] = {}  # taken, not yet answered
+        self._callbacks: dict[str, Callable[[Req], None]] = {}  # the clients' own, by rid
         self.events.write("engine_start", config=config.knobs(),
                           config_sources=dict(config.sources), torch=torch.__version__,
                           device=str(self.scheduler.device), pid=os.getpid())
@@ -116,8 +126,10 @@ class Engine:
             if temperature > 0:
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{self.config.seed}:{rid}".encode()))
             req = Req(rid, list(input_ids), max_new_tokens, temperature, generator=gen,
-                      on_finish=self._finisher(on_finish))
+                      on_finish=self._answer)
             self._pending[rid] = req
+            if on_finish is not None:
+                self._callbacks[rid] = on_finish
             self._inbox.append(req)
             self._cond.notify_all()
         return req
@@ -134,16 +146,16 @@ class Engine:
             self._cond.notify_all()
             return True
 
-    def _finisher(self, on_finish: Callable[[Req], None] | None) -> Callable[[Req], None]:
-        def finished(req: Req) -> None:
-            with self._cond:
-                self.completed += 1
-                self._pending.pop(req.rid, None)
-                self._cond.notify_all()
-            if on_finish is not None:
-                on_finish(req)
-
-        return finished
+    def _answer(self, req: Req) -> None:
+        """Deliver `req`'s answer to its client (once: a second call finds nothing owed)."""
+        with self._cond:
+            if self._pending.pop(req.rid, None) is None:
+                return
+            callback = self._callbacks.pop(req.rid, None)
+            self.completed += 1
+            self._cond.notify_all()
+        if callback is not None:
+            callback(req)
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -205,12 +217,35 @@ class Engine:
                     with self.step_lock:
                         result = self.scheduler.idle_tick()
                         drain_firings()
+                        self._answer_orphans()
                     with self._cond:
                         self.last_idle = {**result, "after_step": self.scheduler.step_no}
                         self._cond.notify_all()
                     idle_due = False
         except BaseException as exc:  # noqa: BLE001 - every death must be logged first
             self._on_crash(exc)
+
+    def _answer_orphans(self) -> None:
+        """At an idle tick, every request still owed an answer is queued in the inbox.
+
+        One that is not was finished (or dropped) by the scheduler without its answer: its
+        client would wait until its timeout. Fire the ledger (STRICT crashes, and the crash path
+        answers every pending request); below STRICT deliver the answer now, late but whole.
+        """
+        with self._cond:
+            queued = {id(r) for r in self._inbox}
+            orphans = [r for r in self._pending.values() if id(r) not in queued]
+        if not orphans:
+            return
+        rids = ", ".join(r.rid for r in orphans[:8])
+        self.events.write("unanswered_requests", durable=True, rids=[r.rid for r in orphans])
+        expect(ANSWER_LEDGER, torch.tensor(False),
+               f"{len(orphans)} request(s) finished without an answer: {rids}")
+        drain_firings()
+        for req in orphans:
+            if req.finish_reason is None:  # dropped without being finished
+                req.finish_reason = "abort"
+            self._answer(req)
 
     def _admit_inbox(self) -> None:
         for req in self._inbox:
@@ -283,12 +318,9 @@ class Engine:
             os._exit(code)
         with self._cond:
             pending = list(self._pending.values())
-            self._pending.clear()
-            self._cond.notify_all()
         for req in pending:
             req.finish_reason = "engine_crashed"
-            if req.on_finish is not None:
-                req.on_finish(req)
+            self._answer(req)
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -51,3 +51,12 @@ regression(
            "partial last page (page_size > 1): both pools leak a page per request",
     caught_by=("clean-page16-radix",),
 )
+regression(
+    name="finish.abort-waiting-unanswered", area="finish", file=SCHED,
+    old="                          finish_reason=\"abort\")\n        if req.on_finish is not None:\n            req.on_finish(req)\n",
+    new="                          finish_reason=\"abort\")\n",
+    models="a request taken off the queue as aborted (its client gone, or starved by a leak) is "
+           "finished without its answer: the client waits until its own timeout (a cosmic-ray "
+           "survivor, promoted)",
+    caught_by=("leak-every-row-warn",),
+)

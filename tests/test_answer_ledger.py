@@ -1,0 +1,79 @@
+"""idle.answer_ledger: an idle engine owes no answer.
+
+Planted: a request whose scheduler-side answer hook is cut (`Req.on_finish = None`, as a
+scheduler path that finishes a request without answering it would leave it), so the request
+is served and finished but its client is never told.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_stub.config import EngineConfig
+from engine_stub.engine import Engine
+from engine_stub.events import read_events
+from engine_stub.req import Req
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _engine(tmp_path: Path, level: str) -> Engine:
+    config = EngineConfig(device="cpu", invariant_check=level, event_log=str(tmp_path / "events.jsonl"))
+    return Engine(config, exit_on_crash=False)
+
+
+def test_answered_requests_leave_the_ledger_silent(tmp_path: Path) -> None:
+    engine = _engine(tmp_path, "strict")
+    got: list[Req] = []
+    engine.start()
+    try:
+        engine.submit([5, 6, 7, 8], 4, rid="fine", on_finish=got.append)
+        assert engine.wait_idle(10)
+    finally:
+        engine.stop(drain_timeout_s=1)
+    assert [r.rid for r in got] == ["fine"] and engine.state()["crash"] is None
+    kinds = {e["kind"] for e in read_events(tmp_path / "events.jsonl")}
+    assert "unanswered_requests" not in kinds
+
+
+@pytest.mark.parametrize("level", ["strict", "warn"])
+def test_finished_request_left_unanswered_fires_answer_ledger(tmp_path: Path, level: str) -> None:
+    engine = _engine(tmp_path, level)
+    answered = threading.Event()
+    got: list[Req] = []
+
+    def on_finish(req: Req) -> None:
+        got.append(req)
+        answered.set()
+
+    req = engine.submit([5, 6, 7, 8], 4, rid="lost", on_finish=on_finish)
+    req.on_finish = None  # the planted bug: the scheduler finishes it without an answer
+    engine.start()
+    try:
+        assert answered.wait(10), "the client was never answered"
+        if level == "strict":
+            assert _wait_for(lambda: engine.state()["crash"] is not None)
+            crash = engine.state()["crash"]
+            assert "[idle.answer_ledger]" in crash["error"], crash
+            assert got[0].finish_reason == "engine_crashed"
+        else:
+            # Below STRICT the owed answer is delivered late, but whole.
+            assert got[0].finish_reason == "length" and len(got[0].output_ids) == 4
+            assert engine.state()["invariant_hits"]["idle.answer_ledger"] == 1
+    finally:
+        engine.stop(drain_timeout_s=1)
+    assert len(got) == 1, "answered twice"
+    events = read_events(tmp_path / "events.jsonl")
+    orphaned = [e for e in events if e["kind"] == "unanswered_requests"]
+    assert [e["rids"] for e in orphaned] == [["lost"]]
