@@ -34,7 +34,7 @@ TARGETS = ("engine_stub/mem/allocator.py", "engine_stub/mem/swa.py", "engine_stu
 MEMORY_FUNCTIONS = frozenset({
     "check_fits", "_admit", "_alloc_extend", "_evict_tree", "_schedule_decode", "_alloc_decode",
     "_evict_windows", "_finish", "_release_kv", "_free_group", "_drop_aborted", "_full_reserve",
-    "_swa_headroom", "_outstanding",
+    "_swa_headroom", "_outstanding", "_abort_waiting", "_admission_stalled",
 })
 
 

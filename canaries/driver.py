@@ -4,6 +4,11 @@ Prompts are printable-ASCII token ids (32..126) so that they read well in logs. 
 rids `r0000`, `r0001`, ... and are handed to a pool of `concurrency` workers in order, so request
 `i + C` is sent only after one in flight has finished: together with the engine's lockstep gate
 this makes a run's batches, and so its event trace, a function of the seed alone.
+
+The plan is the generated requests, then `workload.extra_requests` in order: each has its own
+prompt (fresh, or an earlier request's cut or extended), max_new_tokens and expected answer.
+The extras draw their fresh tokens from a stream of their own, so adding one leaves the
+generated prompts (and a scenario's trace up to it) unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import requests
@@ -20,7 +26,7 @@ import requests
 if TYPE_CHECKING:
     from canaries.scenario import Workload
 
-__all__ = ["make_prompts", "drive", "rid_of", "prompt_range"]
+__all__ = ["FollowUp", "Planned", "drive", "make_plan", "prompt_range", "rid_of"]
 
 TOKEN_LO, TOKEN_HI = 32, 126  # printable ASCII, inclusive
 SALT_TOKENS = 2  # how many tokens of each prompt `unique_prompts` overwrites with its index
@@ -39,8 +45,64 @@ def prompt_range(workload: Workload) -> tuple[int, int]:
     return min(lo, hi), max(lo, hi)
 
 
-def make_prompts(workload: Workload, seed: int) -> list[list[int]]:
-    """The workload's prompts, a pure function of (workload, seed)."""
+@dataclass(frozen=True)
+class FollowUp:
+    """A prompt made at send time from what request `of` was sent (and, `with_answer`, what it
+    answered): its first `keep_tokens` (None: all), then `append`."""
+
+    of: int
+    with_answer: bool
+    keep_tokens: int | None
+    append: tuple[int, ...]
+
+    def prompt(self, earlier: dict) -> list[int] | None:
+        """The prompt, from request `of`'s record; None if that request has no answer to follow."""
+        source = list(earlier.get("prompt") or [])
+        if self.with_answer:
+            if earlier.get("output_ids") is None:
+                return None
+            source += list(earlier["output_ids"])
+        return source[:self.keep_tokens] + list(self.append)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the plan: what is sent, and the answer the engine must give. A follow-up's
+    prompt is made when it is sent (`prompt` is then empty)."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    status: int = 200
+    follow_up: FollowUp | None = None
+
+
+def make_plan(workload: Workload, seed: int) -> list[Planned]:
+    """Every request the driver sends, in rid order: a pure function of (workload, seed) and,
+    for follow-ups, of the answers they follow."""
+    prompts = _generated_prompts(workload, seed)
+    plan = [Planned(rid_of(i), p, workload.max_new_tokens) for i, p in enumerate(prompts)]
+    for j, extra in enumerate(workload.extra_requests):
+        rng = random.Random(f"canary-extra:{seed}:{j}")
+        if extra.prompt_tokens is not None:
+            prompt = prompts[0][:workload.shared_prefix_tokens]
+            prompt += [rng.randint(TOKEN_LO, TOKEN_HI) for _ in range(extra.prompt_tokens - len(prompt))]
+        appended = [rng.randint(TOKEN_LO, TOKEN_HI) for _ in range(extra.append_tokens)]
+        follow_up = None
+        if extra.prompt_of is not None:
+            base = plan[extra.prompt_of]
+            if extra.with_answer or base.follow_up is not None:
+                follow_up = FollowUp(extra.prompt_of, extra.with_answer, extra.keep_tokens,
+                                     tuple(appended))
+                prompt, appended = [], []
+            else:
+                prompt = list(base.prompt[:extra.keep_tokens])
+        plan.append(Planned(rid_of(len(plan)), prompt + appended,
+                            extra.max_new_tokens or workload.max_new_tokens, extra.status, follow_up))
+    return plan
+
+
+def _generated_prompts(workload: Workload, seed: int) -> list[list[int]]:
     lo, hi = prompt_range(workload)
     shared = workload.shared_prefix_tokens
     rng = random.Random(f"canary-prompts:{seed}")
@@ -58,11 +120,17 @@ def make_prompts(workload: Workload, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _send(session_factory, base_url: str, rid: str, prompt: list[int], max_new_tokens: int,
+def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | None,
           temperature: float, deadline: float) -> dict:
     start = time.monotonic()
+    rid, max_new_tokens = planned.rid, planned.max_new_tokens
     record: dict[str, Any] = {"rid": rid, "status": None, "output_ids": None, "error": None,
-                              "latency_s": None, "prompt_len": len(prompt)}
+                              "latency_s": None, "prompt_len": len(prompt or ()), "prompt": prompt,
+                              "max_new_tokens": max_new_tokens, "expect_status": planned.status}
+    if prompt is None:
+        assert planned.follow_up is not None
+        record["error"] = f"not sent: {rid_of(planned.follow_up.of)} has no answer to follow"
+        return record
     remaining = deadline - start
     if remaining <= 0:
         record["error"] = "not sent: the workload deadline had passed"
@@ -90,15 +158,15 @@ def _send(session_factory, base_url: str, rid: str, prompt: list[int], max_new_t
 
 
 def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0,
-          prompts: Sequence[list[int]] | None = None) -> list[dict]:
-    """Send the workload; one record per request, in rid order.
+          plan: Sequence[Planned] | None = None) -> list[dict]:
+    """Send the workload (its plan, unless given); one record per request, in rid order.
 
-    Records: {rid, status, output_ids, error, latency_s, prompt_len[, meta_info]}. A connection
-    error (the engine died) or a timeout is recorded, never raised.
+    Records: {rid, status, output_ids, error, latency_s, prompt_len, max_new_tokens,
+    expect_status[, meta_info]}. A connection error (the engine died) or a timeout is recorded,
+    never raised.
     """
-    prompts = list(prompts) if prompts is not None else make_prompts(workload, seed)
+    plan = list(plan) if plan is not None else make_plan(workload, seed)
     concurrency = max(1, workload.concurrency)
-    max_new = workload.max_new_tokens
     temperature = workload.temperature
     deadline = time.monotonic() + deadline_s
     local = threading.local()
@@ -112,10 +180,23 @@ def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0
                 sessions.append(local.session)
         return local.session
 
+    futures: list[Future] = []
+
+    def send(planned: Planned) -> dict:
+        prompt: list[int] | None = planned.prompt
+        if planned.follow_up is not None:
+            # An earlier request: FIFO workers have taken it already, so this wait cannot deadlock.
+            try:
+                earlier = futures[planned.follow_up.of].result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                earlier = {}
+            prompt = planned.follow_up.prompt(earlier)
+        return _send(session, base_url.rstrip("/"), planned, prompt, temperature, deadline)
+
     try:
         with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:
-            futures = [pool.submit(_send, session, base_url.rstrip("/"), rid_of(i), p, max_new,
-                                   temperature, deadline) for i, p in enumerate(prompts)]
+            for planned in plan:
+                futures.append(pool.submit(send, planned))
             return [f.result() for f in futures]
     finally:
         for s in sessions:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from canaries.driver import Planned, make_plan
 from canaries.driver import drive as drive_workload
-from canaries.driver import make_prompts
 
 if TYPE_CHECKING:
     from canaries.runtime.safety import SignalLatch
@@ -101,7 +101,7 @@ def spec_for(scenario: Any, device: str | None = None, memory: str | None = None
 
     spec = engine_spec(scenario)  # a fresh dict, its "engine" a fresh copy of the knobs
     engine = spec["engine"]
-    engine["gate_requests"] = scenario.workload.requests
+    engine["gate_requests"] = scenario.workload.served_requests  # a refused one is never received
     engine["gate_concurrency"] = scenario.workload.concurrency
     if device:
         engine["device"] = device
@@ -129,14 +129,15 @@ def _reference(model_key: tuple, prompt: tuple[int, ...], max_new_tokens: int) -
     return tuple(_oracle_model(*model_key).reference_generate(list(prompt), max_new_tokens))
 
 
-def oracle_mismatches(config: dict, prompts: list[list[int]], responses: list[dict],
-                      max_new_tokens: int) -> list[dict]:
+def oracle_mismatches(config: dict, plan: list[Planned], responses: list[dict]) -> list[dict]:
     """Greedy responses that differ from the from-scratch reference of the config in force."""
     key = (str(config["layer_pattern"]), int(config["window"]), int(config.get("hidden_size", 32)),
            int(config.get("num_heads", 2)), int(config.get("seed", 0)))
     model = _oracle_model(*key)
     mismatches = []
-    for prompt, resp in zip(prompts, responses, strict=True):
+    for planned, resp in zip(plan, responses, strict=True):
+        # What was sent (a follow-up's prompt is made at send time).
+        prompt, max_new_tokens = resp.get("prompt") or planned.prompt, planned.max_new_tokens
         got = resp.get("output_ids")
         if got is None:
             continue  # a failed request is the verdict's business, not the oracle's
@@ -163,10 +164,9 @@ def oracle_mismatches(config: dict, prompts: list[list[int]], responses: list[di
 class _Oracle:
     """The output oracle of a clean greedy scenario, computed on a thread of its own."""
 
-    def __init__(self, scenario: Any, spec: dict, prompts: list[list[int]], events_path: Path) -> None:
+    def __init__(self, scenario: Any, spec: dict, plan: list[Planned], events_path: Path) -> None:
         self._wanted = scenario.expect.clean and scenario.workload.temperature == 0
-        self._max_new = scenario.workload.max_new_tokens
-        self._spec, self._prompts, self._events_path = spec, prompts, events_path
+        self._spec, self._plan, self._events_path = spec, plan, events_path
         self._thread: threading.Thread | None = None
         self._mismatches: list[dict] = []
         self._error: str | None = None
@@ -183,7 +183,7 @@ class _Oracle:
                         None)
         config = (start_ev or {}).get("config") or self._spec.get("engine", {})
         try:
-            self._mismatches = oracle_mismatches(config, self._prompts, responses, self._max_new)
+            self._mismatches = oracle_mismatches(config, self._plan, responses)
         except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
             self._error = f"the output oracle failed: {type(exc).__name__}: {exc}"
 
@@ -252,7 +252,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         shutil.copyfile(scenario.path, run_dir / "scenario.yaml")
     workload = scenario.workload
     seed = scenario.seed
-    prompts = make_prompts(workload, seed)
+    plan = make_plan(workload, seed)
     responses: list[dict] = []
     error: str | None = None
     timed_out = False
@@ -273,7 +273,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         options["python"] = engine_python
     rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S, **options)
     phases: dict[str, float] = {}
-    oracle = _Oracle(scenario, spec, prompts, run_dir / "events.jsonl")
+    oracle = _Oracle(scenario, spec, plan, run_dir / "events.jsonl")
 
     def mark(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - a running clock
         now = time.monotonic()
@@ -289,8 +289,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             raise _Cancelled
         if on_started is not None:
             on_started(rt)
-        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.requests)
-        responses = drive_workload(base_url, workload, seed, deadline, prompts=prompts)
+        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.total_requests)
+        responses = drive_workload(base_url, workload, seed, deadline, plan=plan)
         mark("drive")
         oracle.start(responses)  # computed while the engine idles and stops
         timed_out = any(r.get("error") and ("Timeout" in r["error"] or "deadline" in r["error"])
@@ -321,8 +321,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     if cancelled:
         mismatches = []
     error = error or oracle_error
-    _write_jsonl(run_dir / "responses.jsonl",
-                 [{**r, "prompt": p} for r, p in zip(responses, prompts, strict=False)])
+    _write_jsonl(run_dir / "responses.jsonl", responses)
     mark("oracle")
     if mismatches:
         _write_jsonl(run_dir / "oracle_mismatches.jsonl", mismatches)

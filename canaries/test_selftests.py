@@ -16,7 +16,7 @@ import pytest
 
 from canaries.cli import main as canary_main
 from canaries.cli import match_k, parse_shard, select
-from canaries.driver import make_prompts
+from canaries.driver import make_plan
 from canaries.runner import run_scenario, spec_for
 from canaries.runtime import get_runtime
 from canaries.scenario import load_scenario
@@ -216,8 +216,8 @@ def test_prompts_are_deterministic_and_printable():
 
     wl = Workload(requests=6, concurrency=2, prompt_tokens=(10, 20), shared_prefix_tokens=4,
                   unique_prompts=True)
-    a, b = make_prompts(wl, 7), make_prompts(wl, 7)
-    assert a == b and a != make_prompts(wl, 8)
+    a, b = [p.prompt for p in make_plan(wl, 7)], [p.prompt for p in make_plan(wl, 7)]
+    assert a == b and a != [p.prompt for p in make_plan(wl, 8)]
     assert all(32 <= t <= 126 for p in a for t in p)
     assert all(10 <= len(p) <= 20 for p in a)
     assert len({tuple(p[:4]) for p in a}) == 1
@@ -264,6 +264,7 @@ def test_list_and_schema(capsys):
 def test_teacher_forced_oracle_equals_the_step_by_step_reference():
     import random
 
+    from canaries.driver import Planned
     from canaries.runner import _reference, oracle_mismatches
 
     cfg = {"layer_pattern": "SFSS", "window": 16, "hidden_size": 32, "num_heads": 2, "seed": 4}
@@ -271,15 +272,16 @@ def test_teacher_forced_oracle_equals_the_step_by_step_reference():
     rng = random.Random(1)
     prompts = [[rng.randint(32, 126) for _ in range(rng.randint(20, 30))] for _ in range(2)]
     refs = [list(_reference(key, tuple(p), 24)) for p in prompts]
+    plan = [Planned(f"r{i}", p, 24) for i, p in enumerate(prompts)]
     good = [{"rid": f"r{i}", "output_ids": r} for i, r in enumerate(refs)]
-    assert oracle_mismatches(cfg, prompts, good, 24) == []
+    assert oracle_mismatches(cfg, plan, good) == []
     bad = [dict(good[0]), {"rid": "r1", "output_ids": refs[1][:7] + [(refs[1][7] + 1) % 256]
                            + refs[1][8:]}]
-    (mismatch,) = oracle_mismatches(cfg, prompts, bad, 24)
+    (mismatch,) = oracle_mismatches(cfg, plan, bad)
     assert mismatch["rid"] == "r1" and mismatch["first_diff"] == 7
     assert mismatch["expected"] == refs[1]
     short = [dict(good[0]), {"rid": "r1", "output_ids": refs[1][:10]}]
-    assert [m["first_diff"] for m in oracle_mismatches(cfg, prompts, short, 24)] == [10]
+    assert [m["first_diff"] for m in oracle_mismatches(cfg, plan, short)] == [10]
 
 
 @pytest.mark.slow

@@ -14,3 +14,12 @@ regression(
            "promoted)",
     caught_by=("swap-next-token-prefill-budget-exact-fit",),
 )
+regression(
+    name="admission.swa-fit-ignores-headroom", area="admission", file=SCHED,
+    old="        if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:\n",
+    new="        if extend_tokens > cfg.swa_pool_tokens:\n",
+    models="the submit-time check forgets the SWA headroom a running request needs beside its "
+           "prompt: a prompt that fits the pool only without it is queued, and no empty engine "
+           "can ever admit it (the same check as the cosmic-ray survivor `+` to `|`)",
+    caught_by=("clean-admission-refuses-unservable",),
+)

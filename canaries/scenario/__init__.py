@@ -5,7 +5,7 @@ workload, the perturbations to inject and what the suite expects to see. Validat
 problem it can find and names the file, the line and the field of each; it never stops at the first.
 
     fields.py   the field table: every field once (type, default, bounds/choices, doc)
-    model.py    Scenario, Workload, Expect, Disabled, Problem, ScenarioError
+    model.py    Scenario, Workload, ExtraRequest, Expect, Disabled, Problem, ScenarioError
     yamldoc.py  YAML with line numbers, hostile files refused fast
     loader.py   file -> validated Scenario (cross-field checks, the EngineConfig, warnings)
     schema.py   the JSON Schema, generated from the field table
@@ -38,6 +38,7 @@ from canaries.scenario.loader import (
 from canaries.scenario.model import (
     Disabled,
     Expect,
+    ExtraRequest,
     Problem,
     Scenario,
     ScenarioError,
@@ -56,6 +57,7 @@ __all__ = [
     "VERDICTS",
     "Disabled",
     "Expect",
+    "ExtraRequest",
     "Problem",
     "Scenario",
     "ScenarioError",

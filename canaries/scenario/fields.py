@@ -152,6 +152,67 @@ ENGINE = Table((
     *_knob_fields(),
 ))
 
+class ExtraRequests(FieldType):
+    """A list of explicit requests (the EXTRA_REQUEST table each), sent after the generated ones."""
+
+    def parse(self, value: Any, path: str, report: Report) -> Any:
+        if not isinstance(value, list):
+            report(path, f"expected a list of requests, got {type(value).__name__}")
+            return INVALID
+        items = []
+        for i, item in enumerate(value):
+            where = f"{path}[{i}]"
+            parsed = EXTRA_REQUEST.parse(item, where, report)
+            if parsed is INVALID:
+                return INVALID
+            if ("prompt_tokens" in parsed) == ("prompt_of" in parsed):
+                report(where, "give exactly one of prompt_tokens (a fresh prompt) and prompt_of "
+                              "(an earlier request's prompt)")
+                return INVALID
+            for key in ("keep_tokens", "with_answer"):
+                if key in parsed and "prompt_of" not in parsed:
+                    report(f"{where}.{key}", "only with prompt_of")
+                    return INVALID
+            items.append(parsed)
+        return tuple(items)
+
+    def schema(self) -> dict:
+        return {"type": "array", "items": EXTRA_REQUEST.schema()}
+
+
+# The answers a planned request may expect: served, or refused at admission as unservable.
+PLANNED_STATUSES = (200, 400)
+
+
+class Status(FieldType):
+    """An HTTP status a planned request expects (one of PLANNED_STATUSES)."""
+
+    def parse(self, value: Any, path: str, report: Report) -> Any:
+        if not is_int(value) or value not in PLANNED_STATUSES:
+            report(path, f"expected one of {', '.join(map(str, PLANNED_STATUSES))}, got {value!r}")
+            return INVALID
+        return int(value)
+
+    def schema(self) -> dict:
+        return {"enum": list(PLANNED_STATUSES)}
+
+
+EXTRA_REQUEST = Table((
+    Field("prompt_tokens", Int(minimum=1), None,
+          "a fresh prompt of this many tokens (starting with the shared prefix)"),
+    Field("prompt_of", Int(minimum=0), None,
+          "the prompt of an earlier request (its index: generated requests first, then these)"),
+    Field("with_answer", Bool(), False,
+          "with prompt_of: that prompt followed by its answer (a follow-up turn; sent once the "
+          "answer is in)"),
+    Field("keep_tokens", Int(minimum=1), None,
+          "with prompt_of: only the first N tokens (of the prompt, or of prompt and answer)"),
+    Field("append_tokens", Int(minimum=0), 0, "fresh tokens appended to the prompt"),
+    Field("max_new_tokens", Int(minimum=1), None, "tokens it generates (default: the workload's)"),
+    Field("status", Status(), 200,
+          "the answer the engine must give: 200 (served) or 400 (refused as unservable)"),
+))
+
 WORKLOAD = Table((
     Field("requests", Int(minimum=1), 8, "requests the driver sends, in rid order"),
     Field("concurrency", Int(minimum=1), 4, "requests the driver keeps in flight (at most this "
@@ -162,6 +223,10 @@ WORKLOAD = Table((
     Field("max_new_tokens", Int(minimum=1), 48, "tokens each request generates"),
     Field("temperature", Number(minimum=0), 0.0, "sampling temperature (0: greedy)"),
     Field("unique_prompts", Bool(), False, "no two prompts alike"),
+    Field("extra_requests", ExtraRequests(), (),
+          "explicit requests sent after the generated ones, in order (a prompt of its own length, "
+          "or an earlier request's prompt cut or extended; its own max_new_tokens; the answer "
+          "expected)"),
 ))
 
 _DETECTORS = known_detectors

@@ -28,7 +28,15 @@ from canaries.scenario.fields import (
     engine_knobs,
     profile_paths,
 )
-from canaries.scenario.model import Disabled, Expect, Problem, Scenario, ScenarioError, Workload
+from canaries.scenario.model import (
+    Disabled,
+    Expect,
+    ExtraRequest,
+    Problem,
+    Scenario,
+    ScenarioError,
+    Workload,
+)
 from canaries.scenario.yamldoc import Doc, read_doc
 from engine_stub.config import ConfigError, EngineConfig, coerce_knob, config_from_sources
 from engine_stub.fields import INVALID
@@ -137,6 +145,7 @@ def _workload(doc: Doc, raw: Any, engine: EngineConfig | None) -> Workload:
     values = WORKLOAD.parse(raw, "workload", doc.add)
     if values is INVALID:
         return Workload()
+    extras = values.pop("extra_requests", ())
     w = dataclasses.replace(Workload(), **values)
     if "shared_prefix_tokens" in values and w.shared_prefix_tokens >= w.prompt_tokens[0]:
         doc.add("workload.shared_prefix_tokens",
@@ -147,7 +156,62 @@ def _workload(doc: Doc, raw: Any, engine: EngineConfig | None) -> Workload:
         doc.add(field_, f"longest prompt ({w.prompt_tokens[1]}) + max_new_tokens "
                         f"({w.max_new_tokens}) exceeds the engine's "
                         f"max_context_len={engine.max_context_len}")
-    return w
+    return dataclasses.replace(w, extra_requests=_extra_requests(doc, extras, w, engine))
+
+
+def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
+                    engine: EngineConfig | None) -> tuple[ExtraRequest, ...]:
+    """The explicit requests, each checked against the ones before it: `prompt_of` names an
+    earlier request (one that is served, for `with_answer`), `keep_tokens` fits the shortest
+    prompt (and answer) that request can have, and a request that must be served fits the
+    engine's context."""
+    lo, hi = w.prompt_tokens
+    shared = w.shared_prefix_tokens
+    # (shortest, longest) prompt of each request so far, in rid order.
+    spans = [(max(lo, shared + 1), max(hi, shared + 1))] * w.requests
+    answers = [w.max_new_tokens] * w.requests  # the answer's length, 0 for a planned refusal
+    out: list[ExtraRequest] = []
+    for j, item in enumerate(items):
+        where = f"workload.extra_requests[{j}]"
+        index = w.requests + j
+        extra = ExtraRequest(**item)
+        if extra.prompt_of is not None:
+            if extra.prompt_of >= index:
+                doc.add(f"{where}.prompt_of", f"must name an earlier request (below {index}), got "
+                                              f"{extra.prompt_of}")
+                return ()
+            shortest, longest = spans[extra.prompt_of]
+            if extra.with_answer:
+                if not answers[extra.prompt_of]:
+                    doc.add(f"{where}.with_answer", f"request {extra.prompt_of} is planned to be "
+                                                    "refused: it has no answer to follow")
+                    return ()
+                shortest += answers[extra.prompt_of]
+                longest += answers[extra.prompt_of]
+            if extra.keep_tokens is not None:
+                if extra.keep_tokens > shortest:
+                    what = "prompt and answer" if extra.with_answer else "prompt"
+                    doc.add(f"{where}.keep_tokens", f"request {extra.prompt_of}'s {what} may be "
+                                                    f"only {shortest} tokens long, got {extra.keep_tokens}")
+                    return ()
+                shortest = longest = extra.keep_tokens
+        else:
+            assert extra.prompt_tokens is not None
+            if extra.prompt_tokens <= shared:
+                doc.add(f"{where}.prompt_tokens", f"must exceed shared_prefix_tokens ({shared}), got "
+                                                  f"{extra.prompt_tokens}")
+                return ()
+            shortest = longest = extra.prompt_tokens
+        span = (shortest + extra.append_tokens, longest + extra.append_tokens)
+        spans.append(span)
+        max_new = extra.max_new_tokens or w.max_new_tokens
+        answers.append(max_new if extra.status == 200 else 0)
+        if engine is not None and extra.status == 200 and span[1] + max_new > engine.max_context_len:
+            doc.add(where, f"a prompt of up to {span[1]} tokens + max_new_tokens ({max_new}) "
+                           f"exceeds the engine's max_context_len={engine.max_context_len}; "
+                           "give status: 400 if the engine must refuse it")
+        out.append(extra)
+    return tuple(out)
 
 
 def _expect(doc: Doc, raw: Any, engine: EngineConfig | None, n_perturbations: int) -> Expect:

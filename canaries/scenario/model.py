@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from engine_stub.config import EngineConfig
     from engine_stub.perturb.spec import PerturbationSpec
 
-__all__ = ["ENGINE_OUTCOMES", "PASSING", "VERDICTS", "Disabled", "Expect", "Problem", "Scenario",
-           "ScenarioError", "Workload"]
+__all__ = ["ENGINE_OUTCOMES", "PASSING", "VERDICTS", "Disabled", "Expect", "ExtraRequest", "Problem",
+           "Scenario", "ScenarioError", "Workload"]
 
 
 def _printable(text: str) -> str:
@@ -70,6 +70,28 @@ class ScenarioError(ValueError):
 
 
 @dataclass(frozen=True)
+class ExtraRequest:
+    """One explicit request of `workload.extra_requests` (the EXTRA_REQUEST table): a fresh
+    prompt of `prompt_tokens`, or request `prompt_of`'s prompt (followed by its answer with
+    `with_answer`; its first `keep_tokens`), then `append_tokens` fresh tokens; `max_new_tokens`
+    None means the workload's; `status` is the answer the engine must give."""
+
+    prompt_tokens: int | None = None
+    prompt_of: int | None = None
+    with_answer: bool = False
+    keep_tokens: int | None = None
+    append_tokens: int = 0
+    max_new_tokens: int | None = None
+    status: int = 200
+
+    def __post_init__(self) -> None:
+        if (self.prompt_tokens is None) == (self.prompt_of is None):
+            raise ValueError("an extra request needs exactly one of prompt_tokens and prompt_of")
+        if (self.keep_tokens is not None or self.with_answer) and self.prompt_of is None:
+            raise ValueError("keep_tokens and with_answer need prompt_of")
+
+
+@dataclass(frozen=True)
 class Workload:
     """The requests the driver sends (the WORKLOAD table)."""
 
@@ -80,6 +102,17 @@ class Workload:
     max_new_tokens: int = WORKLOAD["max_new_tokens"].default
     temperature: float = WORKLOAD["temperature"].default
     unique_prompts: bool = WORKLOAD["unique_prompts"].default
+    extra_requests: tuple[ExtraRequest, ...] = ()
+
+    @property
+    def total_requests(self) -> int:
+        """Generated requests plus the explicit ones."""
+        return self.requests + len(self.extra_requests)
+
+    @property
+    def served_requests(self) -> int:
+        """The requests the engine must serve (the explicit ones expecting a refusal aside)."""
+        return self.requests + sum(1 for x in self.extra_requests if x.status == 200)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ the next). In order:
 1. `run_told_nothing`: harness error, timeout, engine gone without a `crash` event (no
    `shutdown` either, exit code < 0 or unknown, or any other non-zero code), or a crash with
    cause `error` -> INCONCLUSIVE.
-2. `clean_control`: a control: any detector fired -> FALSE_ALARM; a non-200 response, a crash or
-   an output that differs from the no-cache oracle -> INCONCLUSIVE; else CLEAN.
+2. `clean_control`: a control: any detector fired -> FALSE_ALARM; a response not answered as
+   planned (200, or the 400 a `workload.extra_requests` entry expects), a crash or an output that
+   differs from the no-cache oracle -> INCONCLUSIVE; else CLEAN.
 3. `not_injected`: some perturbation (by index) has no `perturbation_landed` event -> NOT_INJECTED.
 4. `silent_detectors`: a detector listed in `expect.silent` fired -> WRONG_DETECTOR.
 5. `alarm_before_landing`: any detector fired before the first perturbation landed -> FALSE_ALARM.
@@ -83,15 +84,24 @@ def run_told_nothing(f: Facts) -> Decision | None:
     return None
 
 
+def _unexpected_answer(response: dict) -> bool:
+    """A response whose status is not the plan's (200 unless the workload plans a refusal), or
+    a planned success that came with an error."""
+    want = response.get("expect_status", 200)
+    status = response.get("status", 200)
+    return status != want or (want == 200 and bool(response.get("error")))
+
+
 def clean_control(f: Facts) -> Decision | None:
     if not f.expect.clean:
         return None
     if f.fired:
         return "FALSE_ALARM", f"control scenario, yet {_names(f.fired)} fired"
-    bad = [r for r in f.obs.responses if r.get("status", 200) != 200 or r.get("error")]
+    bad = [r for r in f.obs.responses if _unexpected_answer(r)]
     if bad:
-        rids = ", ".join(str(r.get("rid", "?")) for r in bad)
-        return "INCONCLUSIVE", f"{len(bad)} request(s) failed: {rids}"
+        rids = ", ".join(f"{r.get('rid', '?')} ({r.get('status')}, expected {r.get('expect_status', 200)})"
+                         for r in bad[:8])
+        return "INCONCLUSIVE", f"{len(bad)} request(s) not answered as planned: {rids}"
     if f.crash is not None:
         return "INCONCLUSIVE", f"engine crashed ({f.crash.get('cause')}) with no detector firing"
     if f.obs.oracle_mismatches:
