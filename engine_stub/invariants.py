@@ -572,6 +572,13 @@ def _assert_or_raise(
     except RuntimeError:
         # Synchronous failure (CPU): we are dying anyway, so host reads are fine here.
         _flush_count_sources()
+        # Whatever fired on the count path since the last drain goes on record before the
+        # crash, so a crash never hides the firings that led to it (drops before a pool-bound
+        # breach, idle ledgers before an admission stall).
+        try:
+            drain_firings()
+        except RuntimeError:  # a device error already pending (CUDA): the crash still goes on record
+            pass
         ok = inv.prop.ok(value)
         counter = inv._counter(ok.device)
         counter.add_((~ok).sum())

@@ -214,8 +214,7 @@ class Scheduler:
                           full_available=self.allocator.full_available_size(),
                           swa_available=self.allocator.swa_available_size(),
                           free_rows=self.req_to_token_pool.available_size())
-        self.idle_tick()
-        drain_firings()  # the ledgers' firings on record before the guard can crash the engine
+        self.idle_tick()  # at STRICT the guard's crash path drains the ledgers' firings first
         expect(ADMISSION_STALL, torch.tensor(False), "an idle engine cannot admit its next request")
         self._abort_waiting(self.waiting[0])
 

@@ -259,6 +259,20 @@ class TestCrashPath:
         assert firing.slots == (11, 13)
         assert (firing.new_hits, firing.total_hits) == (2, 2)
 
+    def test_crash_path_puts_pending_count_path_firings_on_record_first(self) -> None:
+        counted = _make_invariant(Bucket.GUARD, site="test.counted")
+        fatal = _make_invariant(Bucket.FATAL_UNCONTAINABLE, site="test.fatal")
+        seen: list[Firing] = []
+        set_firing_sink(seen.append)
+        with override_level(WARN):
+            expect(counted, FAILING, "what led to it", slots=torch.tensor([1, 2, 3, 4]))
+            with pytest.raises(InvariantViolation) as excinfo:
+                expect(fatal, FAILING, "the crash")
+        assert [f.name for f in seen] == [counted.name, fatal.name]
+        assert (seen[0].crashed, seen[0].slots, seen[0].msg) == (False, (2, 4), "what led to it")
+        assert seen[1] == excinfo.value.firing and seen[1].new_hits == 2
+        assert drain_firings() == []  # drained once, not again at the next read-back
+
 
 class TestCountPath:
     def test_count_path_failing_value_does_not_sync(self) -> None:

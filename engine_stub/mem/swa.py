@@ -33,7 +33,6 @@ from engine_stub.invariants import (
     IsZero,
     Positive,
     checks_enabled,
-    drain_firings,
     expect,
     note_failures,
 )
@@ -413,10 +412,8 @@ class SWATokenToKVPoolAllocator:
         fraction = side.available_size() / side.size
         if not 0 <= fraction <= 1:
             # The count still includes the holes of bad frees the step's read-back has not
-            # reported yet (as SGLang's page_size 1 free list would hold the duplicates): put the
-            # drops that caused the breach on record first, since at STRICT this check crashes.
-            # A host read, on the breach path only.
-            drain_firings()
+            # reported yet (as SGLang's page_size 1 free list would hold the duplicates); at
+            # STRICT the crash path drains those drops' firings before this one's.
             expect(POOL_BOUND, torch.tensor(fraction), "available > size")
 
     # ---- snapshots -----------------------------------------------------------------------------
