@@ -627,3 +627,15 @@ def test_timeline_of_a_kind_landing_every_step_stays_a_few_markers():
     assert (by_kind["landing"][1].step, by_kind["landing"][1].end) == (4, 399)
     assert len(by_kind["consumed"]) == 1 and "1985 in all" in by_kind["consumed"][0].label
     assert len(render_svg(tl)) < 20_000
+
+
+def test_landing_lists_reads_of_one_step_by_one_reader_once():
+    from canaries.report.html import _landing_html
+
+    landing = {"perturbation": "never_evict_swa", "index": 0, "step": 3, "site": "on_window_eviction"}
+    reads = [{"kind": "perturbation_consumed", "step": 83, "index": 0, "by": "a dry decode allocation"}] * 17
+    reads.append({"kind": "perturbation_died", "step": 90, "index": 0, "by": "the request's finish"})
+    html = _landing_html(landing, reads)
+    assert html.count("<li") == 2
+    assert "step 83: read by <code>a dry decode allocation</code> (x17)" in html
+    assert "step 90: died unread by <code>the request&#x27;s finish</code></li>" in html

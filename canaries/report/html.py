@@ -324,13 +324,19 @@ def _landing_html(ld: dict, lifecycle: list[dict], glossary: bool = True) -> str
     glossary = (f'<p class="muted small">What <code>{_e(kind)}</code> does: '
                 f'<a href="#kind-{_a(kind)}">perturbation kinds</a></p>'
                 if glossary and kind in _kind_docs() else "")
+    # One line per (step, outcome, reader): a pool running dry reads a landing's every piece at once.
+    grouped: dict[tuple, int] = {}
+    for ev in lifecycle:
+        key = (ev.get("step"), ev.get("kind"), ev.get("by"))
+        grouped[key] = grouped.get(key, 0) + 1
     life = "".join(
-        f'<li class="life life-{_e(ev.get("kind"))}">step {_e(ev.get("step"))}: '
-        + ("read" if ev.get("kind") == "perturbation_consumed" else "died unread")
-        + (f" by <code>{_e(ev.get('by'))}</code>" if ev.get("by") else "") + "</li>"
-        for ev in lifecycle[:MAX_LIFECYCLE])
-    if len(lifecycle) > MAX_LIFECYCLE:
-        life += f'<li class="muted">... and {len(lifecycle) - MAX_LIFECYCLE} more</li>'
+        f'<li class="life life-{_e(kind_)}">step {_e(step)}: '
+        + ("read" if kind_ == "perturbation_consumed" else "died unread")
+        + (f" by <code>{_e(by)}</code>" if by else "") + (f" (x{n})" if n > 1 else "") + "</li>"
+        for (step, kind_, by), n in list(grouped.items())[:MAX_LIFECYCLE])
+    if len(grouped) > MAX_LIFECYCLE:
+        rest_events = sum(list(grouped.values())[MAX_LIFECYCLE:])
+        life += f'<li class="muted">... and {rest_events} more</li>'
     return (f'<div class="landing" data-index="{_a(ld.get("index"))}"><p>{head}</p>'
             + (f"<p>{' &middot; '.join(where)}</p>" if where else "") + ba
             + (f"<p class=\"muted\">{' &middot; '.join(rest)}</p>" if rest else "")
@@ -562,6 +568,13 @@ def _crash_html(crash: dict | None) -> str:
 def _ledgers_html(ledgers: dict | None) -> str:
     if not ledgers:
         return ""
+    pools = {name: led for name, led in ledgers.items() if isinstance(led, dict)}
+    if pools and all(led.get("delta") == 0 for led in pools.values()):
+        # Balanced: one line (available + evictable + protected = total, per pool).
+        return ('<p class="muted">idle ledgers balanced (the last idle check): ' + "; ".join(
+            f"{_e(name)} {_e(led.get('available'))} + {_e(led.get('evictable'))} + "
+            f"{_e(led.get('protected'))} = {_e(led.get('total'))}" for name, led in pools.items())
+            + "</p>")
     cols = ("available", "evictable", "protected", "total", "delta")
     rows = "".join(
         f"<tr><td>{_e(name)}</td>" + "".join(

@@ -284,9 +284,7 @@ def render_svg(tl: Timeline, *, title: str = "") -> str:
             _, colour, dash = SERIES[key]
             pts = _simplify(list(zip(tl.steps, vs, strict=True)))
             d = " ".join(f"{round(x_of(s))},{round(y_of(v))}" for s, v in pts)
-            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-            out.append(f'<polyline class="series series-{key}" points="{d}" fill="none" '
-                       f'stroke="{colour}" stroke-width="1.6"{dash_attr}/>')
+            out.append(f'<polyline class="series series-{key}" points="{d}"/>')  # styled by svg_css
         out.append("</g>")
     # x axis
     axis_y = PAD_T + len(panels) * PANEL_H + (len(panels) - 1) * GAP
@@ -342,7 +340,9 @@ def svg_css() -> str:
              ".marker .mband{opacity:.18}"]
     rules.append(".lg i{display:inline-block;width:10px;height:10px;margin-right:4px;"
                  "vertical-align:middle;border-radius:50%}")
+    rules.append(".series{fill:none;stroke-width:1.6}")
     for key, (_, colour, dash) in SERIES.items():
+        rules.append(f".series-{key}{{stroke:{colour}" + (f";stroke-dasharray:{dash}" if dash else "") + "}")
         rules.append(f".lg-{key} i{{width:20px;height:0;border-radius:0;"
                      f"border-top:2px {'dashed' if dash else 'solid'} {colour}}}")
     for kind, (_, colour) in MARKER_KINDS.items():
