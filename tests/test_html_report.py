@@ -638,4 +638,4 @@ def test_landing_lists_reads_of_one_step_by_one_reader_once():
     html = _landing_html(landing, reads)
     assert html.count("<li") == 2
     assert "step 83: read by <code>a dry decode allocation</code> (x17)" in html
-    assert "step 90: died unread by <code>the request&#x27;s finish</code></li>" in html
+    assert "step 90: died unread by <code>the request's finish</code></li>" in html
