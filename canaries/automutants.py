@@ -14,6 +14,7 @@ only the functions that call the memory path.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import json
 import random
@@ -84,8 +85,36 @@ class AutoMutant:
                                             f"a/{self.file}", f"b/{self.file}", n=2))
 
 
+def _annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) (line, column) of every annotation in `path`: under `from __future__ import
+    annotations` none is ever evaluated, so a mutation inside one is equivalent by construction."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    postponed = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+                    and any(a.name == "annotations" for a in n.names) for n in tree.body)
+    if not postponed:
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        notes = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            notes = [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                             args.vararg, args.kwarg) if a is not None]
+            notes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset))
+                  for n in notes if n is not None and n.end_lineno is not None]
+    return spans
+
+
+def _in_annotation(spans: list, position: tuple[int, int]) -> bool:
+    return any(start <= position < end for start, end in spans)
+
+
 def enumerate_mutants(targets: tuple[str, ...] = TARGETS) -> list[AutoMutant]:
-    """Every mutation cosmic-ray finds in `targets` (scheduler: its memory functions only)."""
+    """Every mutation cosmic-ray finds in `targets` (scheduler: its memory functions only),
+    except those inside annotations (never evaluated)."""
     work = Path(tempfile.mkdtemp(prefix="canary-cosmic-ray-"))
     try:
         shutil.copytree(engine_sources(), work / "engine_stub",
@@ -102,11 +131,14 @@ def enumerate_mutants(targets: tuple[str, ...] = TARGETS) -> list[AutoMutant]:
             if proc.returncode != 0:
                 raise RegressionError(f"cosmic-ray {args[0]} failed: {proc.stderr.strip()[-500:]}")
         mutants = []
+        annotations = {t: _annotation_spans(work / t) for t in targets}
         for line in proc.stdout.splitlines():
             item, _result = json.loads(line)
             for m in item["mutations"]:
                 function = m.get("definition_name") or "<module>"
                 if m["module_path"].endswith("scheduler.py") and function not in MEMORY_FUNCTIONS:
+                    continue
+                if _in_annotation(annotations.get(m["module_path"], []), tuple(m["start_pos"])):
                     continue
                 mutants.append(AutoMutant(m["module_path"], m["operator_name"], int(m["occurrence"]),
                                           function, int(m["start_pos"][0])))

@@ -104,6 +104,22 @@ def test_auto_mutants_are_a_seeded_sample_that_applies_to_copies(tmp_path: Path)
     assert _tree_digest(engine_sources()) == before, "cosmic-ray touched the checkout"
 
 
+def test_mutations_inside_postponed_annotations_are_skipped(tmp_path: Path) -> None:
+    from canaries.automutants import _annotation_spans, _in_annotation
+
+    source = ("from __future__ import annotations\n"
+              "def f(x: int | None = 1) -> int | None:\n"
+              "    y: list[int] = [x | 2]\n"
+              "    return y\n")
+    (tmp_path / "m.py").write_text(source)
+    spans = _annotation_spans(tmp_path / "m.py")
+    assert _in_annotation(spans, (2, 13)) and _in_annotation(spans, (2, 30))  # the two `|`
+    assert _in_annotation(spans, (3, 7))  # list[int]
+    assert not _in_annotation(spans, (3, 22))  # `x | 2` is evaluated
+    (tmp_path / "eager.py").write_text(source.split("\n", 1)[1])
+    assert _annotation_spans(tmp_path / "eager.py") == []  # evaluated annotations stay mutable
+
+
 @pytest.mark.slow
 def test_a_scenario_naming_a_regression_judges_the_broken_engine(tmp_path: Path) -> None:
     import json
