@@ -75,6 +75,7 @@ class Planned:
     max_new_tokens: int
     status: int = 200
     follow_up: FollowUp | None = None
+    min_cached_tokens: int | None = None
 
 
 def make_plan(workload: Workload, seed: int) -> list[Planned]:
@@ -98,7 +99,8 @@ def make_plan(workload: Workload, seed: int) -> list[Planned]:
             else:
                 prompt = list(base.prompt[:extra.keep_tokens])
         plan.append(Planned(rid_of(len(plan)), prompt + appended,
-                            extra.max_new_tokens or workload.max_new_tokens, extra.status, follow_up))
+                            extra.max_new_tokens or workload.max_new_tokens, extra.status, follow_up,
+                            extra.min_cached_tokens))
     return plan
 
 
@@ -127,6 +129,8 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
     record: dict[str, Any] = {"rid": rid, "status": None, "output_ids": None, "error": None,
                               "latency_s": None, "prompt_len": len(prompt or ()), "prompt": prompt,
                               "max_new_tokens": max_new_tokens, "expect_status": planned.status}
+    if planned.min_cached_tokens is not None:
+        record["expect_cached_tokens"] = planned.min_cached_tokens
     if prompt is None:
         assert planned.follow_up is not None
         record["error"] = f"not sent: {rid_of(planned.follow_up.of)} has no answer to follow"
@@ -161,8 +165,8 @@ def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0
           plan: Sequence[Planned] | None = None) -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
 
-    Records: {rid, status, output_ids, error, latency_s, prompt_len, max_new_tokens,
-    expect_status[, meta_info]}. A connection error (the engine died) or a timeout is recorded,
+    Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
+    expect_status[, expect_cached_tokens][, meta_info]}. A connection error (the engine died) or a timeout is recorded,
     never raised.
     """
     plan = list(plan) if plan is not None else make_plan(workload, seed)

@@ -78,7 +78,11 @@ def test_follow_up_prompt_is_the_earlier_prompt_and_answer_cut_then_extended(tmp
      ("- {prompt_tokens: 9, bogus: 1}\n", "workload.extra_requests[0].bogus", "valid keys"),
      ("- {prompt_tokens: 500, max_new_tokens: 20}\n", "workload.extra_requests[0]", "status: 400"),
      ("- {prompt_tokens: 9, status: 400}\n- {prompt_of: 3, with_answer: true}\n",
-      "workload.extra_requests[1].with_answer", "no answer")],
+      "workload.extra_requests[1].with_answer", "no answer"),
+     ("- {prompt_tokens: 9, min_cached_tokens: 9}\n", "workload.extra_requests[0].min_cached_tokens",
+      "below the prompt's length (9"),
+     ("- {prompt_tokens: 9, status: 400, min_cached_tokens: 2}\n",
+      "workload.extra_requests[0].min_cached_tokens", "needs a served request")],
 )
 def test_bad_extra_request_is_named_by_its_field(tmp_path: Path, extras: str, field: str, fragment: str) -> None:
     p = problem(tmp_path, extras)
@@ -106,3 +110,23 @@ def test_planned_refusal_counts_as_answered_in_a_control_and_a_served_one_does_n
     assert v == "INCONCLUSIVE" and "r0001 (200, expected 400)" in reason
     v, reason = verdict([{"rid": "r0002", "status": 400, "error": "x"}])
     assert v == "INCONCLUSIVE" and "r0002 (400, expected 200)" in reason
+
+
+def test_fewer_cached_tokens_than_planned_makes_a_control_inconclusive() -> None:
+    from engine_stub.config import EngineConfig
+
+    control = Scenario(name="s", description="", seed=0, profile="cpu-tiny", engine=EngineConfig(),
+                       workload=Workload(), perturbations=(), expect=Expect(clean=True), path="s.yaml")
+    events = [{"seq": 0, "step": 0, "kind": "engine_start", "ts": 0.0, "config": {}},
+              {"seq": 1, "step": 9, "kind": "shutdown", "ts": 0.0}]
+
+    def verdict(cached: int | None) -> tuple[str, str]:
+        response = {"rid": "r0004", "status": 200, "expect_cached_tokens": 32,
+                    "meta_info": {"cached_tokens": cached}}
+        record = judge(control, Observation(events=events, responses=[response], exit_code=0,
+                                            timed_out=False, oracle_mismatches=[]))
+        return record.verdict, record.reason
+
+    assert verdict(39)[0] == "CLEAN" and verdict(32)[0] == "CLEAN"
+    v, reason = verdict(0)
+    assert v == "INCONCLUSIVE" and "r0004 (0 prompt tokens from the cache, expected at least 32)" in reason

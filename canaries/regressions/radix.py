@@ -120,3 +120,12 @@ regression(
            "inside a tombstone (a cosmic-ray survivor, promoted)",
     caught_by=("clean-radix-two-node-match-page16",),
 )
+regression(
+    name="radix.swa-tombstone-uncounted", area="radix", file=RADIX,
+    old="                victim.swa_tombstone = True\n                freed[1] += len(victim.key)\n",
+    new="                victim.swa_tombstone = True\n                freed[0] += len(victim.key)\n",
+    models="the SWA phase counts a tombstoned node's tokens on the full side: it goes on evicting "
+           "past what was asked, deleting cached leaves whose prefixes it already freed enough "
+           "for, so later turns miss the cache (a cosmic-ray survivor, promoted)",
+    caught_by=("clean-radix-swa-tombstone-keeps-hits",),
+)

@@ -211,6 +211,9 @@ EXTRA_REQUEST = Table((
     Field("max_new_tokens", Int(minimum=1), None, "tokens it generates (default: the workload's)"),
     Field("status", Status(), 200,
           "the answer the engine must give: 200 (served) or 400 (refused as unservable)"),
+    Field("min_cached_tokens", Int(minimum=1), None,
+          "in a control: the radix cache must serve at least this many of its prompt tokens "
+          "(a cache that silently stops hitting is a regression too)"),
 ))
 
 WORKLOAD = Table((

@@ -203,6 +203,16 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
                 return ()
             shortest = longest = extra.prompt_tokens
         span = (shortest + extra.append_tokens, longest + extra.append_tokens)
+        if extra.min_cached_tokens is not None:
+            if extra.status != 200 or (engine is not None and not engine.radix_cache):
+                doc.add(f"{where}.min_cached_tokens", "needs a served request (status 200) and "
+                                                      "radix_cache: true")
+                return ()
+            if extra.min_cached_tokens >= span[0]:
+                doc.add(f"{where}.min_cached_tokens", f"must be below the prompt's length "
+                                                      f"({span[0]}: one token is always computed), "
+                                                      f"got {extra.min_cached_tokens}")
+                return ()
         spans.append(span)
         max_new = extra.max_new_tokens or w.max_new_tokens
         answers.append(max_new if extra.status == 200 else 0)

@@ -74,7 +74,8 @@ class ExtraRequest:
     """One explicit request of `workload.extra_requests` (the EXTRA_REQUEST table): a fresh
     prompt of `prompt_tokens`, or request `prompt_of`'s prompt (followed by its answer with
     `with_answer`; its first `keep_tokens`), then `append_tokens` fresh tokens; `max_new_tokens`
-    None means the workload's; `status` is the answer the engine must give."""
+    None means the workload's; `status` is the answer the engine must give, and
+    `min_cached_tokens` how many prompt tokens the radix cache must serve (judged in controls)."""
 
     prompt_tokens: int | None = None
     prompt_of: int | None = None
@@ -83,6 +84,7 @@ class ExtraRequest:
     append_tokens: int = 0
     max_new_tokens: int | None = None
     status: int = 200
+    min_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt_tokens is None) == (self.prompt_of is None):

@@ -7,8 +7,9 @@ the next). In order:
    `shutdown` either, exit code < 0 or unknown, or any other non-zero code), or a crash with
    cause `error` -> INCONCLUSIVE.
 2. `clean_control`: a control: any detector fired -> FALSE_ALARM; a response not answered as
-   planned (200, or the 400 a `workload.extra_requests` entry expects), a crash or an output that
-   differs from the no-cache oracle -> INCONCLUSIVE; else CLEAN.
+   planned (200, or the 400 a `workload.extra_requests` entry expects, and its
+   `min_cached_tokens`), a crash or an output that differs from the no-cache oracle ->
+   INCONCLUSIVE; else CLEAN.
 3. `not_injected`: some perturbation (by index) has no `perturbation_landed` event -> NOT_INJECTED.
 4. `silent_detectors`: a detector listed in `expect.silent` fired -> WRONG_DETECTOR.
 5. `alarm_before_landing`: any detector fired before the first perturbation landed -> FALSE_ALARM.
@@ -84,12 +85,18 @@ def run_told_nothing(f: Facts) -> Decision | None:
     return None
 
 
-def _unexpected_answer(response: dict) -> bool:
-    """A response whose status is not the plan's (200 unless the workload plans a refusal), or
-    a planned success that came with an error."""
+def _unexpected_answer(response: dict) -> str | None:
+    """How a response differs from the plan (its status: 200 unless the workload plans a
+    refusal; a planned success with an error; fewer cached prompt tokens than planned), or None."""
     want = response.get("expect_status", 200)
     status = response.get("status", 200)
-    return status != want or (want == 200 and bool(response.get("error")))
+    if status != want or (want == 200 and response.get("error")):
+        return f"{status}, expected {want}"
+    min_cached = response.get("expect_cached_tokens")
+    cached = (response.get("meta_info") or {}).get("cached_tokens")
+    if min_cached is not None and (cached is None or cached < min_cached):
+        return f"{cached} prompt tokens from the cache, expected at least {min_cached}"
+    return None
 
 
 def clean_control(f: Facts) -> Decision | None:
@@ -99,8 +106,7 @@ def clean_control(f: Facts) -> Decision | None:
         return "FALSE_ALARM", f"control scenario, yet {_names(f.fired)} fired"
     bad = [r for r in f.obs.responses if _unexpected_answer(r)]
     if bad:
-        rids = ", ".join(f"{r.get('rid', '?')} ({r.get('status')}, expected {r.get('expect_status', 200)})"
-                         for r in bad[:8])
+        rids = ", ".join(f"{r.get('rid', '?')} ({_unexpected_answer(r)})" for r in bad[:8])
         return "INCONCLUSIVE", f"{len(bad)} request(s) not answered as planned: {rids}"
     if f.crash is not None:
         return "INCONCLUSIVE", f"engine crashed ({f.crash.get('cause')}) with no detector firing"
