@@ -130,3 +130,16 @@ def test_fewer_cached_tokens_than_planned_makes_a_control_inconclusive() -> None
     assert verdict(39)[0] == "CLEAN" and verdict(32)[0] == "CLEAN"
     v, reason = verdict(0)
     assert v == "INCONCLUSIVE" and "r0004 (0 prompt tokens from the cache, expected at least 32)" in reason
+
+
+def test_follow_up_the_driver_may_take_while_its_source_runs_is_warned(tmp_path: Path) -> None:
+    # concurrency 4 (the default): request 3 follows request 0 and may be sent beside it.
+    s = load(tmp_path, "- {prompt_of: 0, with_answer: true}\n- {prompt_of: 3, keep_tokens: 5}\n")
+    fields = [(w.field, w.line) for w in s.warnings]
+    assert fields == [("workload.extra_requests[0].prompt_of", 9),
+                      ("workload.extra_requests[1].prompt_of", 10)], fields
+    assert "waits for request 0's answer" in s.warnings[0].message
+    assert "waits for request 3's answer" in s.warnings[1].message
+    far = load(tmp_path, "- {prompt_tokens: 9}\n- {prompt_tokens: 9}\n- {prompt_tokens: 9}\n"
+                         "- {prompt_tokens: 9}\n- {prompt_of: 0, with_answer: true}\n")
+    assert far.warnings == ()
