@@ -65,6 +65,12 @@ def _serving(report: Path) -> int:
     return count
 
 
+def _sigint_as_on_a_terminal() -> None:
+    # An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
+    # Python then installs no KeyboardInterrupt handler, so the Ctrl-C under test would be lost.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...]) -> tuple[int, str, Path]:
     """Run the four scenarios with --jobs 2, send `signals` 0.15 s apart once two engines serve."""
     paths = _write_scenarios(tmp_path / "scenarios")
@@ -72,7 +78,8 @@ def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...]) -> t
     proc = subprocess.Popen(
         [sys.executable, "-m", "canaries.cli", "run", *map(str, paths), "--jobs", "2",
          "--report-dir", str(report)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_sigint_as_on_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while _serving(report) < 2 and proc.poll() is None and time.monotonic() < deadline:
