@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -23,3 +24,15 @@ def _fresh_invariant_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     invariants.set_default_level(None)
     invariants.set_firing_sink(None)
     invariants.reset_counters()
+
+
+def _sigint_as_on_a_terminal() -> None:
+    # An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
+    # Python then installs no KeyboardInterrupt handler, so a Ctrl-C under test would be lost.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def terminal_sigint() -> Callable[[], None]:
+    """A `preexec_fn` for a child that a test sends Ctrl-C: SIGINT as a terminal's child has it."""
+    return _sigint_as_on_a_terminal

@@ -219,14 +219,15 @@ time.sleep(120)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_harness_interrupted_leaves_no_container(client, image, tmp_path, sig):
+def test_harness_interrupted_leaves_no_container(client, image, tmp_path, sig, terminal_sigint):
     """Ctrl-C or SIGTERM to a harness that never calls stop: the safety net removes it."""
     import subprocess
     import sys
 
     repo = Path(dr.__file__).resolve().parents[2]
     with subprocess.Popen([sys.executable, "-c", HARNESS, str(tmp_path / "h")], cwd=repo,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=terminal_sigint) as proc:
         try:
             line = proc.stdout.readline()
             assert line.startswith("started"), proc.stderr.read() if proc.poll() else line

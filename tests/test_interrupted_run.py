@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,13 +66,8 @@ def _serving(report: Path) -> int:
     return count
 
 
-def _sigint_as_on_a_terminal() -> None:
-    # An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
-    # Python then installs no KeyboardInterrupt handler, so the Ctrl-C under test would be lost.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...]) -> tuple[int, str, Path]:
+def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...],
+                       preexec: Callable[[], None]) -> tuple[int, str, Path]:
     """Run the four scenarios with --jobs 2, send `signals` 0.15 s apart once two engines serve."""
     paths = _write_scenarios(tmp_path / "scenarios")
     report = tmp_path / "report"
@@ -79,7 +75,7 @@ def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...]) -> t
         [sys.executable, "-m", "canaries.cli", "run", *map(str, paths), "--jobs", "2",
          "--report-dir", str(report)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=_sigint_as_on_a_terminal)
+        preexec_fn=preexec)
     try:
         deadline = time.monotonic() + 60
         while _serving(report) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -104,8 +100,8 @@ def _interrupt_mid_run(tmp_path: Path, signals: tuple[signal.Signals, ...]) -> t
     (signal.SIGTERM,),
     (signal.SIGTERM, signal.SIGTERM),
 ], ids=["sigint", "sigint-twice", "sigterm", "sigterm-twice"])
-def test_interrupted_run_reports_every_scenario_and_fails_the_gate(tmp_path, signals):
-    rc, out, report = _interrupt_mid_run(tmp_path, signals)
+def test_interrupted_run_reports_every_scenario_and_fails_the_gate(tmp_path, signals, terminal_sigint):
+    rc, out, report = _interrupt_mid_run(tmp_path, signals, terminal_sigint)
     first = signals[0]
     assert rc == 128 + first, out
 
