@@ -161,6 +161,15 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
     return record
 
 
+def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) -> None:
+    """Tell the engine's lockstep gate that `rid` waits for `waits_for`'s answer, so the gate
+    counts it as in flight meanwhile (else it would wait for a request that cannot come yet)."""
+    try:
+        session.post(f"{base_url}/gate/hold", json={"rid": rid, "waits_for": waits_for}, timeout=5.0)
+    except requests.RequestException:
+        pass  # the engine is gone: the follow-up's own request records that
+
+
 def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0,
           plan: Sequence[Planned] | None = None) -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
@@ -186,16 +195,21 @@ def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0
 
     futures: list[Future] = []
 
+    url = base_url.rstrip("/")
+
     def send(planned: Planned) -> dict:
         prompt: list[int] | None = planned.prompt
         if planned.follow_up is not None:
             # An earlier request: FIFO workers have taken it already, so this wait cannot deadlock.
+            earlier_future = futures[planned.follow_up.of]
+            if not earlier_future.done():
+                _hold(session(), url, planned.rid, rid_of(planned.follow_up.of))
             try:
-                earlier = futures[planned.follow_up.of].result(timeout=max(0.0, deadline - time.monotonic()))
+                earlier = earlier_future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 earlier = {}
             prompt = planned.follow_up.prompt(earlier)
-        return _send(session, base_url.rstrip("/"), planned, prompt, temperature, deadline)
+        return _send(session, url, planned, prompt, temperature, deadline)
 
     try:
         with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:

@@ -97,6 +97,10 @@ class Engine:
         self.last_idle: dict | None = None
         self._pending: dict[str, Req] = {}  # taken, not yet answered
         self._callbacks: dict[str, Callable[[Req], None]] = {}  # the clients' own, by rid
+        # The lockstep gate's held requests: rid -> the rid whose answer the driver waits for
+        # before it sends it (a follow-up turn). Cleared when the rid arrives.
+        self._holds: dict[str, str] = {}
+        self._answered: set[str] = set()
         self.events.write("engine_start", config=config.knobs(),
                           config_sources=dict(config.sources), torch=torch.__version__,
                           device=str(self.scheduler.device), pid=os.getpid())
@@ -125,6 +129,7 @@ class Engine:
             gen = None
             if temperature > 0:
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{self.config.seed}:{rid}".encode()))
+            self._holds.pop(rid, None)
             req = Req(rid, list(input_ids), max_new_tokens, temperature, generator=gen,
                       on_finish=self._answer)
             self._pending[rid] = req
@@ -133,6 +138,23 @@ class Engine:
             self._inbox.append(req)
             self._cond.notify_all()
         return req
+
+    def hold(self, rid: str, waits_for: str) -> None:
+        """Lockstep gate: the driver holds request `rid` back until `waits_for` is answered.
+
+        While `waits_for` is unanswered the gate counts `rid` as in flight (the driver's worker
+        is busy with it); once it is answered the gate waits for `rid` to arrive. No effect
+        when the engine is not gated or `rid` already arrived.
+        """
+        with self._cond:
+            if self.config.gate_requests > 0 and rid not in self._pending and rid not in self._answered:
+                self._holds[rid] = waits_for
+                self._cond.notify_all()
+
+    def _in_flight(self) -> int:
+        """Requests the driver has in flight, as the gate counts them (under `_cond`)."""
+        held = sum(1 for waits_for in self._holds.values() if waits_for not in self._answered)
+        return self.received - self.completed + held
 
     def abort(self, rid: str) -> bool:
         """Give up on request `rid` (its client went away): it is finished with finish_reason
@@ -153,6 +175,8 @@ class Engine:
                 return
             callback = self._callbacks.pop(req.rid, None)
             self.completed += 1
+            if self.config.gate_requests > 0:
+                self._answered.add(req.rid)
             self._cond.notify_all()
         if callback is not None:
             callback(req)
@@ -283,7 +307,7 @@ class Engine:
         with self._cond:
             while True:
                 want = min(cfg.gate_concurrency or cfg.gate_requests, cfg.gate_requests - self.completed)
-                if self.received - self.completed >= want or self._stopping:
+                if self._in_flight() >= want or self._stopping:
                     break
                 if time.monotonic() >= deadline:
                     self.events.write("gate_timeout", received=self.received, completed=self.completed)

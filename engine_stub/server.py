@@ -225,6 +225,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class GateHold(_Body):
+    """The harness's driver holds `rid` back until `waits_for` is answered (a follow-up turn)."""
+
+    rid: Annotated[Text, Field(min_length=1, max_length=128)]
+    waits_for: Annotated[Text, Field(min_length=1, max_length=128)]
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 
@@ -459,6 +466,11 @@ def create_app(engine: Engine) -> FastAPI:
         if engine.crash is not None:
             return _error(503, f"engine crashed: {engine.crash['cause']}")
         return {"status": "ok"}
+
+    @app.post("/gate/hold", status_code=204, responses=bad_request)
+    async def gate_hold(body: GateHold) -> None:
+        """Lockstep gate (harness only): count `rid` as in flight until `waits_for` is answered."""
+        engine.hold(body.rid, body.waits_for)
 
     @app.get("/state", response_model=dict[str, Any])
     async def state() -> Any:

@@ -594,3 +594,13 @@ def test_disconnected_clients_requests_are_aborted_and_pools_return_to_idle(tmp_
     for name, ledger in idle[-1]["ledgers"].items():
         assert ledger["delta"] == 0, (name, ledger)
     assert idle[-1]["ledgers"]["req_rows"]["available"] == idle[-1]["ledgers"]["req_rows"]["total"]
+
+
+def test_gate_hold_takes_its_fields_and_names_a_bad_one(client: TestClient, engine: Engine) -> None:
+    # Ungated (no gate_requests), a hold is accepted and changes nothing.
+    assert client.post("/gate/hold", json={"rid": "r0001", "waits_for": "r0000"}).status_code == 204
+    for body, field in (({"rid": 5, "waits_for": "r0000"}, "rid"), ({"rid": "r0001"}, "waits_for"),
+                        ({"rid": "r1", "waits_for": "r0", "extra": 1}, "extra")):
+        response = client.post("/gate/hold", json=body)
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"]

@@ -321,32 +321,7 @@ def _warnings(doc: Doc, data: dict, s: Scenario) -> tuple[Problem, ...]:
                                f"the running ones in rid order, and at most {most} run at once "
                                f"({binding} {most}); use an index below {most}",
                                warning=True))
-    out.extend(_follow_up_warnings(doc, s))
     return tuple(out)
-
-
-def _follow_up_warnings(doc: Doc, s: Scenario) -> list[Problem]:
-    """A follow-up the driver may take while its source still runs: it holds its worker back
-    until the answer comes, so the lockstep gate waits (up to gate_timeout_s a step) for a
-    request that cannot arrive yet."""
-    w = s.workload
-    out = []
-    deferred: set[int] = set()  # requests whose prompt is made from an earlier one's record
-    for j, extra in enumerate(w.extra_requests):
-        index = w.requests + j
-        if extra.prompt_of is None or not (extra.with_answer or extra.prompt_of in deferred):
-            continue
-        deferred.add(index)
-        source = extra.prompt_of  # its record, hence its answer, comes first
-        if index - source < w.concurrency:
-            path = f"workload.extra_requests[{j}].prompt_of"
-            out.append(Problem(doc.file, doc.line(path), path,
-                               f"request {index} waits for request {source}'s answer, and with "
-                               f"concurrency {w.concurrency} the driver may take it while request "
-                               f"{source} still runs: the lockstep gate then waits for it (up to "
-                               f"gate_timeout_s a step); put it at least {w.concurrency} requests "
-                               f"after request {source}", warning=True))
-    return out
 
 
 # ---- loading -------------------------------------------------------------------------------------
