@@ -70,3 +70,12 @@ regression(
            "free in the same step are never counted (a cosmic-ray survivor, promoted)",
     caught_by=("corrupt-r2t-zero-freed-after-finish-page16",),
 )
+regression(
+    name="suballoc.hole-filter-drops-slot-one", area="suballoc", file=ALLOC,
+    old="                self.free_pages = pages[pages > 0]\n",
+    new="                self.free_pages = pages[pages > 1]\n",
+    models="the filter that takes a dropped free's holes (page 0) out of the free list also takes "
+           "page 1: every bad free, though dropped and counted, leaks a slot (a cosmic-ray "
+           "survivor, promoted)",
+    caught_by=("double-free-full-warn-harmless",),
+)
