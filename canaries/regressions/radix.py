@@ -129,3 +129,12 @@ regression(
            "for, so later turns miss the cache (a cosmic-ray survivor, promoted)",
     caught_by=("clean-radix-swa-tombstone-keeps-hits",),
 )
+regression(
+    name="radix.full-phase-counts-swa", area="radix", file=RADIX,
+    old="        while freed[0] < full_tokens:\n",
+    new="        while freed[1] < full_tokens:\n",
+    models="the full phase of eviction measures its progress in SWA tokens: a deleted sequence's "
+           "tombstoned head counts for nothing, so it deletes far more of the cache than asked and "
+           "later turns miss (a cosmic-ray survivor, promoted)",
+    caught_by=("clean-radix-full-evict-keeps-hits",),
+)
