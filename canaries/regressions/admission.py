@@ -23,3 +23,13 @@ regression(
            "can ever admit it (the same check as the cosmic-ray survivor `+` to `|`)",
     caught_by=("clean-admission-refuses-unservable",),
 )
+regression(
+    name="admission.swa-reserve-forgets-prompt", area="admission", file=SCHED,
+    old="        need_swa = extend_tokens + self._swa_headroom() + swa_outstanding\n",
+    new="        need_swa = self._swa_headroom() + swa_outstanding\n",
+    models="admission reserves the SWA headroom of the running requests but not the prompt it is "
+           "about to prefill: a prompt that fits only if the others' headroom is spent gets in, "
+           "and the next decode finds the pool dry (its cosmic-ray form, `extend % headroom`, "
+           "survived the library)",
+    caught_by=("clean-pressure-swa-reserve-noradix",),
+)
