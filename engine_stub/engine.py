@@ -240,8 +240,8 @@ class Engine:
                 elif idle_due:
                     with self.step_lock:
                         result = self.scheduler.idle_tick()
-                        drain_firings()
                         self._answer_orphans()
+                        drain_firings()  # the ledgers' firings and the answer ledger's
                     with self._cond:
                         self.last_idle = {**result, "after_step": self.scheduler.step_no}
                         self._cond.notify_all()
@@ -254,18 +254,18 @@ class Engine:
 
         One that is not was finished (or dropped) by the scheduler without its answer: its
         client would wait until its timeout. Fire the ledger (STRICT crashes, and the crash path
-        answers every pending request); below STRICT deliver the answer now, late but whole.
+        answers every pending request); below STRICT deliver the answer now, late but whole
+        (the caller's drain puts the firing on record).
         """
         with self._cond:
             queued = {id(r) for r in self._inbox}
             orphans = [r for r in self._pending.values() if id(r) not in queued]
         if not orphans:
             return
-        rids = ", ".join(r.rid for r in orphans[:8])
-        self.events.write("unanswered_requests", durable=True, rids=[r.rid for r in orphans])
+        rids = [r.rid for r in orphans]
+        self.events.write("unanswered_requests", durable=True, rids=rids)
         expect(ANSWER_LEDGER, torch.tensor(False),
-               f"{len(orphans)} request(s) finished without an answer: {rids}")
-        drain_firings()
+               f"{len(rids)} request(s) finished without an answer: {', '.join(rids[:8])}")
         for req in orphans:
             if req.finish_reason is None:  # dropped without being finished
                 req.finish_reason = "abort"

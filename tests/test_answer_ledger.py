@@ -7,6 +7,7 @@ is served and finished but its client is never told.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -77,3 +78,7 @@ def test_finished_request_left_unanswered_fires_answer_ledger(tmp_path: Path, le
     events = read_events(tmp_path / "events.jsonl")
     orphaned = [e for e in events if e["kind"] == "unanswered_requests"]
     assert [e["rids"] for e in orphaned] == [["lost"]]
+    # The firing is on record (a crash event names it at STRICT, a firing event below).
+    named = [e for e in events if e["kind"] in ("invariant_firing", "crash")
+             and "idle.answer_ledger" in json.dumps(e)]
+    assert named, "the answer ledger's firing never reached the event log"

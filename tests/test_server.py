@@ -597,7 +597,7 @@ def test_disconnected_clients_requests_are_aborted_and_pools_return_to_idle(tmp_
 
 
 def test_gate_hold_takes_its_fields_and_names_a_bad_one(client: TestClient, engine: Engine) -> None:
-    # Ungated (no gate_requests), a hold is accepted and changes nothing.
+    # Ungated (no gate_requests), a hold is accepted (204) and ignored.
     assert client.post("/gate/hold", json={"rid": "r0001", "waits_for": "r0000"}).status_code == 204
     for body, field in (({"rid": 5, "waits_for": "r0000"}, "rid"), ({"rid": "r0001"}, "waits_for"),
                         ({"rid": "r1", "waits_for": "r0", "extra": 1}, "extra")):

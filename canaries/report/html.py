@@ -24,6 +24,7 @@ import json
 import re
 import shlex
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
@@ -315,28 +316,21 @@ def _landing_html(ld: dict, lifecycle: list[dict], glossary: bool = True) -> str
     damage = ld.get("damage")
     if isinstance(damage, list) and damage:
         # Typed damage, summarised: the where/before/after above already show the first pieces.
-        kinds: dict[str, int] = {}
-        for d in damage:
-            name = str(d.get("kind")) if isinstance(d, dict) else str(d)
-            kinds[name] = kinds.get(name, 0) + 1
+        kinds = Counter(str(d.get("kind")) if isinstance(d, dict) else str(d) for d in damage)
         rest.append("damage <code>" + _e(", ".join(f"{k} x{n}" for k, n in kinds.items()))
                     + "</code>")
     glossary = (f'<p class="muted small">What <code>{_e(kind)}</code> does: '
                 f'<a href="#kind-{_a(kind)}">perturbation kinds</a></p>'
                 if glossary and kind in _kind_docs() else "")
     # One line per (step, outcome, reader): a pool running dry reads a landing's every piece at once.
-    grouped: dict[tuple, int] = {}
-    for ev in lifecycle:
-        key = (ev.get("step"), ev.get("kind"), ev.get("by"))
-        grouped[key] = grouped.get(key, 0) + 1
+    grouped = list(Counter((ev.get("step"), ev.get("kind"), ev.get("by")) for ev in lifecycle).items())
     life = "".join(
         f'<li class="life life-{_e(kind_)}">step {_e(step)}: '
         + ("read" if kind_ == "perturbation_consumed" else "died unread")
         + (f" by <code>{_e(by)}</code>" if by else "") + (f" (x{n})" if n > 1 else "") + "</li>"
-        for (step, kind_, by), n in list(grouped.items())[:MAX_LIFECYCLE])
+        for (step, kind_, by), n in grouped[:MAX_LIFECYCLE])
     if len(grouped) > MAX_LIFECYCLE:
-        rest_events = sum(list(grouped.values())[MAX_LIFECYCLE:])
-        life += f'<li class="muted">... and {rest_events} more</li>'
+        life += f'<li class="muted">... and {sum(n for _, n in grouped[MAX_LIFECYCLE:])} more</li>'
     return (f'<div class="landing" data-index="{_a(ld.get("index"))}"><p>{head}</p>'
             + (f"<p>{' &middot; '.join(where)}</p>" if where else "") + ba
             + (f"<p class=\"muted\">{' &middot; '.join(rest)}</p>" if rest else "")

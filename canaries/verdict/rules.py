@@ -104,9 +104,9 @@ def clean_control(f: Facts) -> Decision | None:
         return None
     if f.fired:
         return "FALSE_ALARM", f"control scenario, yet {_names(f.fired)} fired"
-    bad = [r for r in f.obs.responses if _unexpected_answer(r)]
+    bad = [(r.get("rid", "?"), why) for r in f.obs.responses if (why := _unexpected_answer(r))]
     if bad:
-        rids = ", ".join(f"{r.get('rid', '?')} ({_unexpected_answer(r)})" for r in bad[:8])
+        rids = ", ".join(f"{rid} ({why})" for rid, why in bad[:8])
         return "INCONCLUSIVE", f"{len(bad)} request(s) not answered as planned: {rids}"
     if f.crash is not None:
         return "INCONCLUSIVE", f"engine crashed ({f.crash.get('cause')}) with no detector firing"
