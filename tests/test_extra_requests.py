@@ -90,45 +90,36 @@ def test_bad_extra_request_is_named_by_its_field(tmp_path: Path, extras: str, fi
     assert p.line is not None and p.line >= 9
 
 
-def test_planned_refusal_counts_as_answered_in_a_control_and_a_served_one_does_not() -> None:
-    from engine_stub.config import EngineConfig
-
-    control = Scenario(name="s", description="", seed=0, profile="cpu-tiny", engine=EngineConfig(),
-                       workload=Workload(), perturbations=(), expect=Expect(clean=True), path="s.yaml")
-    start = {"seq": 0, "step": 0, "kind": "engine_start", "ts": 0.0, "config": {}}
-    shutdown = {"seq": 1, "step": 9, "kind": "shutdown", "ts": 0.0}
-
-    def verdict(responses: list[dict]) -> tuple[str, str]:
-        record = judge(control, Observation(events=[start, shutdown], responses=responses, exit_code=0,
-                                                timed_out=False, oracle_mismatches=[]))
-        return record.verdict, record.reason
-
-    refused = {"rid": "r0001", "status": 400, "expect_status": 400, "error": "cannot be prefilled"}
-    assert verdict([{"rid": "r0000", "status": 200}, refused])[0] == "CLEAN"
-    served = {**refused, "status": 200, "error": None}
-    v, reason = verdict([served])
-    assert v == "INCONCLUSIVE" and "r0001 (200, expected 400)" in reason
-    v, reason = verdict([{"rid": "r0002", "status": 400, "error": "x"}])
-    assert v == "INCONCLUSIVE" and "r0002 (400, expected 200)" in reason
-
-
-def test_fewer_cached_tokens_than_planned_makes_a_control_inconclusive() -> None:
+def _judge_control(responses: list[dict]) -> tuple[str, str]:
+    """The verdict and reason of a clean control whose engine ran fine and answered `responses`."""
     from engine_stub.config import EngineConfig
 
     control = Scenario(name="s", description="", seed=0, profile="cpu-tiny", engine=EngineConfig(),
                        workload=Workload(), perturbations=(), expect=Expect(clean=True), path="s.yaml")
     events = [{"seq": 0, "step": 0, "kind": "engine_start", "ts": 0.0, "config": {}},
               {"seq": 1, "step": 9, "kind": "shutdown", "ts": 0.0}]
+    record = judge(control, Observation(events=events, responses=responses, exit_code=0,
+                                        timed_out=False, oracle_mismatches=[]))
+    return record.verdict, record.reason
 
-    def verdict(cached: int | None) -> tuple[str, str]:
-        response = {"rid": "r0004", "status": 200, "expect_cached_tokens": 32,
-                    "meta_info": {"cached_tokens": cached}}
-        record = judge(control, Observation(events=events, responses=[response], exit_code=0,
-                                            timed_out=False, oracle_mismatches=[]))
-        return record.verdict, record.reason
 
-    assert verdict(39)[0] == "CLEAN" and verdict(32)[0] == "CLEAN"
-    v, reason = verdict(0)
+def test_planned_refusal_counts_as_answered_in_a_control_and_a_served_one_does_not() -> None:
+    refused = {"rid": "r0001", "status": 400, "expect_status": 400, "error": "cannot be prefilled"}
+    assert _judge_control([{"rid": "r0000", "status": 200}, refused])[0] == "CLEAN"
+    v, reason = _judge_control([{**refused, "status": 200, "error": None}])
+    assert v == "INCONCLUSIVE" and "r0001 (200, expected 400)" in reason
+    v, reason = _judge_control([{"rid": "r0002", "status": 400, "error": "x"}])
+    assert v == "INCONCLUSIVE" and "r0002 (400, expected 200)" in reason
+
+
+def test_fewer_cached_tokens_than_planned_makes_a_control_inconclusive() -> None:
+    def with_cached(cached: int | None) -> list[dict]:
+        return [{"rid": "r0004", "status": 200, "expect_cached_tokens": 32,
+                 "meta_info": {"cached_tokens": cached}}]
+
+    assert _judge_control(with_cached(39))[0] == "CLEAN"
+    assert _judge_control(with_cached(32))[0] == "CLEAN"
+    v, reason = _judge_control(with_cached(0))
     assert v == "INCONCLUSIVE" and "r0004 (0 prompt tokens from the cache, expected at least 32)" in reason
 
 
