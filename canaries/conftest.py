@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -35,6 +36,15 @@ def engines_under(path: Path) -> list[int]:
             if first.get("kind") == "engine_start":
                 pids.add(int(first["pid"]))
     return sorted(p for p in pids if _alive(p))
+
+
+def sigint_as_on_a_terminal() -> None:
+    """A `preexec_fn` for a child that a test sends Ctrl-C.
+
+    An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
+    Python then installs no KeyboardInterrupt handler, so the Ctrl-C under test would be lost.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 
 from canaries.cli import main as canary_main
 from canaries.cli import match_k, parse_shard, select
+from canaries.conftest import sigint_as_on_a_terminal
 from canaries.driver import make_plan
 from canaries.runner import run_scenario, spec_for
 from canaries.runtime import get_runtime
@@ -167,19 +168,13 @@ def test_runtime_stops_the_engine_on_an_exception(write_scenario, tmp_path, asse
     assert_no_engine_left(spec)
 
 
-def _sigint_as_on_a_terminal() -> None:
-    # An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
-    # Python then installs no KeyboardInterrupt handler, so the Ctrl-C under test would be lost.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 def test_ctrl_c_stops_every_engine_and_exits_130(tmp_path, assert_no_engine_left):
     report = tmp_path / "report"
     proc = subprocess.Popen(
         [sys.executable, "-m", "canaries.cli", "run", "-k", "clean-page1", "--jobs", "2",
          "--report-dir", str(report)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, preexec_fn=_sigint_as_on_a_terminal)
+        text=True, preexec_fn=sigint_as_on_a_terminal)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not list(report.glob("*/engine.log")):
         time.sleep(0.1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -26,13 +25,9 @@ def _fresh_invariant_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     invariants.reset_counters()
 
 
-def _sigint_as_on_a_terminal() -> None:
-    # An xdist worker (or a shell's background job) ignores SIGINT, and a child inherits that:
-    # Python then installs no KeyboardInterrupt handler, so a Ctrl-C under test would be lost.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.fixture
 def terminal_sigint() -> Callable[[], None]:
-    """A `preexec_fn` for a child that a test sends Ctrl-C: SIGINT as a terminal's child has it."""
-    return _sigint_as_on_a_terminal
+    """A `preexec_fn` for a child that a test sends Ctrl-C (canaries.conftest says why)."""
+    from canaries.conftest import sigint_as_on_a_terminal
+
+    return sigint_as_on_a_terminal
