@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHOICES", "EngineConfig", "ConfigError", "coerce_knob", "config_from_sources",
+__all__ = ["CHOICES", "CHUNKED_PREFILL_AUTO", "CHUNKED_PREFILL_OFF", "EngineConfig", "ConfigError", "coerce_knob", "config_from_sources",
            "add_config_flags", "KNOB_HELP"]
 
 ENV_PREFIX = "ENGINE_STUB_"
+CHUNKED_PREFILL_AUTO = 0
+CHUNKED_PREFILL_OFF = -1
 
 
 class ConfigError(ValueError):
@@ -35,6 +37,8 @@ KNOB_HELP: dict[str, str] = {
     "max_running_requests": "request rows in the req-to-token pool",
     "max_context_len": "longest prompt + generation a request may have",
     "max_prefill_tokens": "token budget of one prefill step",
+    "chunked_prefill_size": "tokens of one prefill chunk: a longer prompt is prefilled over several steps "
+                            "(auto: the most the SWA pool holds beside one request's headroom; off: never chunk)",
     "radix_cache": "keep finished requests' KV in the SWA radix cache (true|false)",
     "invariant_check": "off | warn | strict (also 0|1|2)",
     "strict_mem_check_during_idle": "1: a failed idle ledger crashes the engine; 0: count and log",
@@ -73,6 +77,8 @@ class EngineConfig:
     max_running_requests: int = 4
     max_context_len: int = 512
     max_prefill_tokens: int = 1024
+    # 0 is "auto" (derived from the pools), -1 is "off" (SGLang's value for no chunking).
+    chunked_prefill_size: int = 0
     radix_cache: bool = True
     invariant_check: str = "off"
     strict_mem_check_during_idle: bool = True
@@ -119,10 +125,15 @@ class EngineConfig:
                 raise bad(culprit(name, "page_size"),
                           f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}")
         headroom = self.swa_headroom
-        if self.swa_pool_tokens <= headroom:
+        if self.swa_pool_tokens < headroom + self.page_size:
             raise bad(culprit("swa_pool_tokens", "window", "page_size"),
-                      f"swa_pool_tokens={self.swa_pool_tokens} must exceed one request's SWA headroom, "
-                      f"max(window, page_size) + window + 2 * page_size = {headroom}")
+                      f"swa_pool_tokens={self.swa_pool_tokens} must hold one request's SWA headroom, "
+                      f"max(window, page_size) + window + 2 * page_size = {headroom}, plus one page "
+                      f"({self.page_size}) to prefill into")
+        if self.chunked_prefill_size not in (CHUNKED_PREFILL_AUTO, CHUNKED_PREFILL_OFF) \
+                and self.chunked_prefill_size < self.page_size:
+            raise bad(culprit("chunked_prefill_size", "page_size"),
+                      f"must be auto, off, or at least page_size={self.page_size} (a chunk is whole pages)")
         if self.swa_pool_tokens > self.full_pool_tokens:
             raise bad(culprit("swa_pool_tokens", "full_pool_tokens"),
                       f"swa_pool_tokens={self.swa_pool_tokens} must not exceed "
@@ -161,6 +172,20 @@ class EngineConfig:
         cadence) and two pages of rounding."""
         return max(self.window, self.page_size) + self.window + 2 * self.page_size
 
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """Tokens one prefill chunk holds at most (whole pages), or None when chunking is off.
+
+        Never more than the SWA pool holds beside one request's headroom (SGLang likewise
+        shrinks a chunk to the SWA room left): `auto` is exactly that, so a prompt that would
+        not fit at once is served in chunks and one that fits is not chunked at all."""
+        if self.chunked_prefill_size == CHUNKED_PREFILL_OFF:
+            return None
+        room = self.swa_pool_tokens - self.swa_headroom
+        if self.chunked_prefill_size != CHUNKED_PREFILL_AUTO:
+            room = min(room, self.chunked_prefill_size)
+        return room - room % self.page_size
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -193,6 +218,8 @@ def coerce_knob(name: str, raw: Any, source: str) -> Any:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError("expected true|false|1|0")
+        if name == "chunked_prefill_size" and str(raw).strip().lower() in ("auto", "off"):
+            return CHUNKED_PREFILL_AUTO if str(raw).strip().lower() == "auto" else CHUNKED_PREFILL_OFF
         if isinstance(default, int):
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError("expected an integer")

@@ -86,7 +86,8 @@ CATALOGUE: tuple[Detector, ...] = (
     Detector("sched.decode_stall", "GUARD", "Scheduler._schedule_decode",
              "decode could not allocate one slot per running request (a pool ran dry)"),
     Detector("sched.admission_stall", "GUARD", "Scheduler.step",
-             "nothing runs and the next waiting request cannot be admitted (something leaked)"),
+             "nothing runs and neither the next waiting request nor the next prefill chunk can "
+             "be allocated (something leaked)"),
     # ---- the KV canary's reasons (engine_stub/kv_canary.py REASONS), in its order
     Detector("kv_canary.verify_chain_hash", "KV_CANARY", "KVCanary.verify, KVCanary.sweep",
              "a slot's chain link (token and position of the position before) does not match"),

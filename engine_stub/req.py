@@ -44,6 +44,12 @@ class Req:
     cache_protected_len: int = 0
     swa_evicted_seqlen: int = 0
     lock: Any = None
+    # Positions whose KV slots are allocated (the current prefill chunk's end): the prompt's
+    # length once its last chunk is scheduled. Below it and at or above kv_len: this step's chunk.
+    prefill_end: int = 0
+    # Tokens per prefill chunk, fixed at admission (None: not chunked): the engine's chunk size,
+    # or less where a cache hit's locked window leaves less SWA room.
+    chunk_size: int | None = None
     admitted_step: int = -1
     finished_step: int = -1
     finish_reason: str | None = None
@@ -68,6 +74,11 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        """Every prompt position has been scheduled (the request decodes from now on)."""
+        return self.prefill_end >= self.prompt_len
 
     @property
     def finished(self) -> bool:

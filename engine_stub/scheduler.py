@@ -1,9 +1,18 @@
 """Scheduler: continuous batching over the hybrid SWA memory path.
 
-One `step()` is a prefill batch (when waiting requests can be admitted) or else a decode batch.
-Decode first slides the requests' windows (`free_swa` below the `swa_evicted_seqlen` frontier,
-rate-limited per request as in SGLang), then allocates one slot per request. A finished request goes into the radix cache (its
-window-evicted range as tombstones) or is freed.
+One `step()` is a prefill batch (when waiting requests can be admitted, or a chunked prefill goes
+on) or else a decode batch. Decode first slides the requests' windows (`free_swa` below the
+`swa_evicted_seqlen` frontier, rate-limited per request as in SGLang), then allocates one slot per
+request. A finished request goes into the radix cache (its window-evicted range as tombstones) or
+is freed.
+
+Chunked prefill (SGLang's `chunked_prefill_size`, without its mixed chunks): a prompt longer than
+the chunk is prefilled a chunk per step, one chunked request at a time, ahead of new prefills and
+of decodes. At each chunk boundary its window frontier moves (the SWA peers no later chunk reads
+are freed), and with a radix cache the processed part is cached as SGLang's
+`cache_unfinished_req` does (the evicted head as a tombstone, the lock moved to the new last
+node, `cache_protected_len` raised), so a prompt of any length runs on an SWA pool of a few
+windows.
 
 Free groups follow SGLang's scheduler: the frees of finishing requests (its
 `process_batch_result`) run inside one group, and whatever an allocation needs freed first
@@ -42,6 +51,7 @@ from engine_stub.perturb.sites import (
     AfterForward,
     BeforeStep,
     CacheHit,
+    ChunkBoundary,
     ReqState,
     RequestFinish,
     Sampling,
@@ -58,7 +68,8 @@ DECODE_STALL = Invariant(
 )
 ADMISSION_STALL = Invariant(
     "sched.admission_stall", Bucket.GUARD, IsTrue(), site="Scheduler.step",
-    description="nothing runs and the next waiting request cannot be admitted (something leaked)",
+    description="nothing runs and neither the next waiting request nor the next prefill chunk can "
+                "be allocated (something leaked)",
 )
 
 
@@ -83,6 +94,10 @@ def _memory_backend(name: str):
 
 def _page_floor(n: int, page: int) -> int:
     return n - n % page
+
+
+def _page_ceil(n: int, page: int) -> int:
+    return -(-n // page) * page
 
 
 class Scheduler:
@@ -132,11 +147,15 @@ class Scheduler:
         self.perturber = perturber
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        # Tokens of one prefill chunk (None: chunking off), and the request being prefilled in
+        # chunks (at most one, as in SGLang): admitted, holding a row, in neither list above.
+        self.chunk_tokens = config.prefill_chunk_tokens
+        self.chunked_req: Req | None = None
         self.step_no = 0
         self.order_by_rid = config.gate_requests > 0
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "cached_tokens": 0, "swa_evicted_tokens": 0, "finished_requests": 0,
-                      "aborted_requests": 0}
+                      "aborted_requests": 0, "prefill_chunks": 0, "chunked_requests": 0}
         self._swa_ever_used = torch.zeros(self.kv_pool.swa_rows, dtype=torch.bool, device=self.device)
         self._swa_reused = torch.zeros((), dtype=torch.int64, device=self.device)
         self._divergent_allocs = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -157,13 +176,15 @@ class Scheduler:
                 param="prompt" if prompt_len >= cfg.max_context_len else "max_new_tokens",
             )
         # What admission reserves for this request alone: if even an empty engine cannot give
-        # it that, it would wait forever.
+        # it that, it would wait forever. Chunked, the SWA pool holds a chunk at a time, and a
+        # chunk always fits (config.prefill_chunk_tokens); the full pool holds the whole prompt.
         extend_tokens = -(-prompt_len // self.page_size) * self.page_size
-        if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) cannot be prefilled: swa_pool_tokens={cfg.swa_pool_tokens} "
-                f"minus one window of headroom ({self._swa_headroom()})"
-            )
+        if self.chunk_tokens is None:
+            if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:
+                raise RequestRejected(
+                    f"prompt ({prompt_len} tokens) cannot be prefilled: swa_pool_tokens={cfg.swa_pool_tokens} "
+                    f"minus one window of headroom ({self._swa_headroom()}), and chunked_prefill_size is off"
+                )
         full_need = extend_tokens + self._full_reserve(max_new_tokens)
         if full_need > cfg.full_pool_tokens:
             raise RequestRejected(
@@ -178,7 +199,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked_req is not None)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -196,7 +217,7 @@ class Scheduler:
             batch_reqs = self._schedule_decode()
         if batch_reqs:
             self._run_batch(kind, batch_reqs)
-        elif self.waiting and not self.running:
+        elif not self.running and (self.waiting or self.chunked_req is not None):
             self._admission_stalled()
         self._end_of_step(kind if batch_reqs else "stall")
 
@@ -204,19 +225,30 @@ class Scheduler:
         """Nothing runs, yet the head of the queue cannot be admitted.
 
         A request no empty engine could admit is refused at `add_request`, so an engine with
-        nothing running must admit its next request: whatever blocks it (pool slots, request
+        nothing running must admit its next request (or allocate the next chunk of the one it
+        prefills in chunks, which admission reserved): whatever blocks it (pool slots, request
         rows, radix locks) is held by no running request, i.e. leaked. SGLang would wait here
         forever (its idle checks wait for a fully idle engine); we run the idle ledgers first,
         which name what leaked, then fire the guard. Where neither crashes the engine, the
-        head request is aborted (the client gets a 503), so a leaking engine cannot spin.
+        chunked request or else the head request is aborted (the client gets a 503), so a
+        leaking engine cannot spin.
         """
         self.events.write("admission_stall", waiting=len(self.waiting),
+                          chunked=self.chunked_req.rid if self.chunked_req is not None else None,
                           full_available=self.allocator.full_available_size(),
                           swa_available=self.allocator.swa_available_size(),
                           free_rows=self.req_to_token_pool.available_size())
-        self.idle_tick()  # at STRICT the guard's crash path drains the ledgers' firings first
+        if self.chunked_req is None:
+            self.idle_tick()  # at STRICT the guard's crash path drains the ledgers' firings first
         expect(ADMISSION_STALL, torch.tensor(False), "an idle engine cannot admit its next request")
-        self._abort_waiting(self.waiting[0])
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            self.stats["aborted_requests"] += 1
+            req.finish_reason = "abort"
+            with self._free_group():
+                self._finish(req)
+        else:
+            self._abort_waiting(self.waiting[0])
 
     def _run_batch(self, kind: str, reqs: list[Req]) -> None:
         batch, canary_reqs = self._forward_batch(kind, reqs)
@@ -237,26 +269,34 @@ class Scheduler:
         if self.reach is not None and self.reach.open:
             self._observe(self.reach, "tail", reqs, batch)
         self._maybe_sweep()
-        sampled = sample(logits, [r.temperature for r in reqs], [r.generator for r in reqs])
+        # A chunk that does not end the prompt samples nothing (SGLang discards its logits).
+        sampling = [r for r in reqs if r.prefill_done]
+        if len(sampling) < len(reqs):
+            keep = [i for i, r in enumerate(reqs) if r.prefill_done]
+            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+        sampled = sample(logits, [r.temperature for r in sampling], [r.generator for r in sampling])
         next_ids = self._read_back(sampled)
-        for req, token in zip(reqs, next_ids, strict=True):
+        for req, token in zip(sampling, next_ids, strict=True):
             self.canary.note_sampled(req.rid, token)
-        if self.perturber is not None:
-            next_ids = self._hook(Sampling(tuple(map(ReqState.of, reqs)), tuple(next_ids))).next_ids
+        if self.perturber is not None and sampling:
+            next_ids = self._hook(Sampling(tuple(map(ReqState.of, sampling)), tuple(next_ids))).next_ids
         self.stats[f"{kind}_steps"] += 1
-        self.stats["generated_tokens"] += len(reqs)
+        self.stats["generated_tokens"] += len(sampling)
         finished = []
-        for req, token in zip(reqs, next_ids, strict=True):
+        for req, token in zip(sampling, next_ids, strict=True):
             req.output_ids.append(int(token))
             if req.remaining_new_tokens == 0:
                 req.finish_reason = "length"
                 finished.append(req)
         if kind == "prefill":
-            self.running.extend(reqs)
+            self.running.extend(sampling)
         if finished:
             with self._free_group():
                 for req in finished:
                     self._finish(req)
+        for req in reqs:
+            if not req.prefill_done:
+                self._chunk_boundary(req)
 
     def _observe(self, reach: Any, phase: str, reqs: list[Req], batch: ForwardBatch) -> None:
         """What this batch's reader (`phase`: head, forward, tail) touches, for reachability."""
@@ -293,7 +333,8 @@ class Scheduler:
         """Finish every request whose client gave up (`Req.abort_requested`), freeing its KV."""
         for req in [r for r in self.waiting if r.abort_requested]:
             self._abort_waiting(req)
-        aborted = [r for r in self.running if r.abort_requested and not r.finished]
+        holders = self.running if self.chunked_req is None else [self.chunked_req, *self.running]
+        aborted = [r for r in holders if r.abort_requested and not r.finished]
         if aborted:
             with self._free_group():
                 for req in aborted:
@@ -303,9 +344,10 @@ class Scheduler:
 
     def _forward_batch(self, kind: str, reqs: list[Req]) -> tuple[ForwardBatch, list[CanaryRequest]]:
         if kind == "prefill":
-            prefix_lens = [r.cache_protected_len for r in reqs]
-            seq_lens = [r.prompt_len for r in reqs]
-            new_ids = [r.origin_input_ids[r.cache_protected_len:] for r in reqs]
+            # A new request extends from its cached prefix, a chunked one from its last chunk.
+            prefix_lens = [max(r.kv_len, r.cache_protected_len) for r in reqs]
+            seq_lens = [r.prefill_end for r in reqs]
+            new_ids = [r.origin_input_ids[lo:hi] for r, lo, hi in zip(reqs, prefix_lens, seq_lens, strict=True)]
         else:
             prefix_lens = [r.kv_len for r in reqs]
             seq_lens = [r.kv_len + 1 for r in reqs]
@@ -338,45 +380,107 @@ class Scheduler:
         return -(-new_tokens // page) * page + page
 
     def _outstanding(self, reqs: list[Req]) -> tuple[int, int]:
-        """Full and SWA slots `reqs` may still need (their reservations)."""
+        """Full and SWA slots `reqs` may still need (their reservations).
+
+        A request still prefilling in chunks also reserves the full slots of the rest of its
+        prompt, and an SWA chunk beside its headroom: it holds at most one chunk and what the
+        next chunk's window reads (see `_chunk_boundary`)."""
         full = sum(self._full_reserve(r.remaining_new_tokens) for r in reqs)
-        return full, len(reqs) * self._swa_headroom()
+        swa = len(reqs) * self._swa_headroom()
+        for r in reqs:
+            if not r.prefill_done:
+                full += _page_ceil(r.prompt_len, self.page_size) - r.prefill_end
+                swa += r.chunk_size
+        return full, swa
 
     def _schedule_prefill(self) -> list[Req]:
-        if not self.waiting:
-            return []
-        if self.order_by_rid:
-            self.waiting.sort(key=lambda r: r.rid)
         admitted: list[Req] = []
         budget = self.config.max_prefill_tokens
+        chunk_room = self.chunk_tokens  # None: chunking is off
+        chunked = self.chunked_req
+        if chunked is not None:
+            # Its next chunk goes first (SGLang's `add_chunked_req`); admission reserved it, so
+            # only a leak can leave it short, and then it waits (is parked) as in SGLang.
+            if not self._next_chunk(chunked):
+                return []
+            admitted.append(chunked)
+            budget -= chunked.prefill_end - chunked.kv_len
+            chunk_room -= chunked.prefill_end - chunked.kv_len
+            if chunked.prefill_done:
+                self.chunked_req = None
+        if not self.waiting or self.chunked_req is not None:
+            return admitted
+        if self.order_by_rid:
+            self.waiting.sort(key=lambda r: r.rid)
         for req in list(self.waiting):
             if len(self.running) + len(admitted) >= self.config.max_running_requests:
                 break
             if self.req_to_token_pool.available_size() == 0:
                 break
-            if not self._admit(req, budget, admitted):
+            if not self._admit(req, budget, chunk_room, admitted):
                 break
-            budget -= req.prompt_len - req.cache_protected_len
+            budget -= req.prefill_end - req.cache_protected_len
             self.waiting.remove(req)
             admitted.append(req)
+            if not req.prefill_done:
+                self.chunked_req = req  # the chunk budget is spent
+                self.stats["chunked_requests"] += 1
+                break
+            if chunk_room is not None:
+                chunk_room -= req.prompt_len - req.cache_protected_len
         return admitted
 
-    def _admit(self, req: Req, budget: int, admitted: list[Req]) -> bool:
-        """Match the prefix, reserve and allocate both pools; False (nothing held) to wait."""
-        page = self.page_size
+    def _admit(self, req: Req, budget: int, chunk_room: int | None, admitted: list[Req]) -> bool:
+        """Match the prefix, reserve and allocate both pools; False (nothing held) to wait.
+
+        A prompt whose extend exceeds what is left of the chunk budget is admitted with its
+        first chunk only (whole pages), when no other request is being chunked. On an idle
+        engine the chunk also shrinks to the SWA room a cache hit's locked window leaves (as
+        SGLang shrinks a chunk to the SWA room left), and where not even a page is left the
+        prompt is served without the hit: an idle engine always admits its next request."""
         match = None
-        prefix_len = 0
         if self.tree_cache is not None:
             # Leave at least one token to extend, so the prefill produces logits.
             match = self.tree_cache.match_prefix(req.origin_input_ids[:-1])
-            prefix_len = match.matched_len
-        extend_len = req.prompt_len - prefix_len
-        if admitted and extend_len > budget:
-            return False
+        idle = not admitted and not self.running and self.chunked_req is None
+        if self._reserve_and_allocate(req, budget, chunk_room, admitted, match, idle):
+            return True
+        if idle and chunk_room is not None and match is not None and match.matched_len:
+            return self._reserve_and_allocate(req, budget, chunk_room, admitted, None, idle)
+        return False
+
+    def _reserve_and_allocate(self, req: Req, budget: int, chunk_room: int | None, admitted: list[Req],
+                              match: Any, idle: bool) -> bool:
+        page = self.page_size
+        prefix_len = match.matched_len if match is not None else 0
         lock = self.tree_cache.inc_lock_ref(match.last_node) if match is not None else None
-        extend_tokens = -(-req.prompt_len // page) * page - prefix_len
+        extend_len = req.prompt_len - prefix_len
+        chunk_end = req.prompt_len
+        req.chunk_size = chunk_room
+        if chunk_room is not None and idle:
+            swa_room = self.allocator.swa_available_size() - self._swa_headroom()
+            if self.tree_cache is not None:
+                swa_room += self.tree_cache.swa_evictable_size()
+            req.chunk_size = min(chunk_room, _page_floor(swa_room, page))
+        if req.chunk_size is not None and extend_len > req.chunk_size:
+            room = req.chunk_size if not admitted else min(req.chunk_size, budget)
+            chunk_end = prefix_len + _page_floor(room, page)
+            if self.chunked_req is not None or chunk_end <= prefix_len:
+                if lock is not None:
+                    self.tree_cache.dec_lock_ref(lock)
+                return False
+        elif admitted and extend_len > budget:
+            if lock is not None:
+                self.tree_cache.dec_lock_ref(lock)
+            return False
+        # This step's allocation (both pools); a chunked prompt's later chunks need full slots
+        # too, and SWA slots a chunk at a time (its reservation, `_outstanding`).
+        extend_tokens = _page_ceil(chunk_end, page) - prefix_len
+        later_tokens = _page_ceil(req.prompt_len, page) - prefix_len - extend_tokens
         full_outstanding, swa_outstanding = self._outstanding(self.running + admitted)
-        need_full = extend_tokens + self._full_reserve(req.max_new_tokens) + full_outstanding
+        need_full = extend_tokens + later_tokens + self._full_reserve(req.max_new_tokens) + full_outstanding
+        # A chunked prompt never holds more SWA than a chunk and a headroom (it frees what the
+        # next chunk's window does not read before that chunk is allocated).
         need_swa = extend_tokens + self._swa_headroom() + swa_outstanding
         evictable_full = self.tree_cache.full_evictable_size() if self.tree_cache else 0
         evictable_swa = self.tree_cache.swa_evictable_size() if self.tree_cache else 0
@@ -387,7 +491,7 @@ class Scheduler:
                 self.tree_cache.dec_lock_ref(lock)
             return False
         self._evict_tree(extend_tokens)
-        slots = self._alloc_extend(req, prefix_len, match)
+        slots = self._alloc_extend(req, prefix_len, chunk_end, match)
         if slots is None:
             if lock is not None:
                 self.tree_cache.dec_lock_ref(lock)
@@ -397,26 +501,97 @@ class Scheduler:
             self.req_to_token_pool.write(req.row, 0, match.slots)
         self.req_to_token_pool.write(req.row, prefix_len, slots)
         if self.reach is not None:
-            self.reach.table_written(req.row, 0, req.prompt_len)
+            self.reach.table_written(req.row, 0, chunk_end)
         req.lock = lock
         req.cache_protected_len = prefix_len
         req.swa_evicted_seqlen = prefix_len
+        req.prefill_end = chunk_end
         req.admitted_step = self.step_no
         self.stats["prompt_tokens"] += req.prompt_len
         self.stats["cached_tokens"] += prefix_len
         self._note_swa_use(slots)
         self.events.write("request_admitted", rid=req.rid, prompt_len=req.prompt_len,
-                          cached_len=prefix_len, row=req.row)
+                          cached_len=prefix_len, row=req.row, chunk_end=chunk_end)
         if prefix_len and self.perturber is not None:
             self._hook(CacheHit(ReqState.of(req), prefix_len))
         return True
 
-    def _alloc_extend(self, req: Req, prefix_len: int, match) -> torch.Tensor | None:
+    def _alloc_extend(self, req: Req, prefix_len: int, end: int, match) -> torch.Tensor | None:
         if self.page_size == 1:
-            return self.allocator.alloc(req.prompt_len - prefix_len)
+            return self.allocator.alloc(end - prefix_len)
         last_loc = match.slots[-1:] if prefix_len else torch.tensor([-1], device=self.device)
-        return self.allocator.alloc_extend([prefix_len], [req.prompt_len], last_loc.to(torch.int64),
-                                           req.prompt_len - prefix_len)
+        return self.allocator.alloc_extend([prefix_len], [end], last_loc.to(torch.int64), end - prefix_len)
+
+    # ---- chunked prefill -----------------------------------------------------------------------
+
+    def _next_chunk(self, req: Req) -> bool:
+        """Allocate and map the next chunk of the request being prefilled in chunks; False if a
+        pool is short (the chunk waits)."""
+        page, lo = self.page_size, req.kv_len
+        end = min(req.prompt_len, lo + req.chunk_size)
+        extend_tokens = _page_ceil(end, page) - lo
+        self._evict_tree(extend_tokens)
+        if page == 1:
+            slots = self.allocator.alloc(end - lo)
+        else:
+            last_loc = self.req_to_token_pool.req_to_token[req.row, lo - 1:lo].to(torch.int64)
+            slots = self.allocator.alloc_extend([lo], [end], last_loc, end - lo)
+        if slots is None:
+            self.events.write("chunk_parked", rid=req.rid, kv_len=lo, chunk_end=end,
+                              full_available=self.allocator.full_available_size(),
+                              swa_available=self.allocator.swa_available_size())
+            return False
+        self.req_to_token_pool.write(req.row, lo, slots)
+        if self.reach is not None:
+            self.reach.table_written(req.row, lo, end, "written by the next prefill chunk")
+        req.prefill_end = end
+        self._note_swa_use(slots)
+        return True
+
+    def _chunk_boundary(self, req: Req) -> None:
+        """A chunk that does not end the prompt ran: slide the window, cache the processed part.
+
+        The frontier moves as at a decode eviction (`_evict_windows`) with `pre_len` the
+        processed length: the next chunk's first query reads no key below
+        `kv_len - window + 1`. With a radix cache the processed part then goes into the tree as
+        SGLang's `cache_unfinished_req` puts it (`SWARadixCache.cache_unfinished`): positions
+        below the frontier as a tombstone, the request's lock moved to the new last node, the
+        row rewritten with the tree's slots, `cache_protected_len` raised.
+        """
+        self.stats["prefill_chunks"] += 1
+        with self._free_group():
+            self._evict_windows([req], chunk_boundary=True)
+        effect = None
+        if self.perturber is not None:
+            effect = self._hook(ChunkBoundary(ReqState.of(req), req.cache_protected_len))
+        if self.tree_cache is not None:
+            self._cache_unfinished(req, effect)
+        self.events.write("prefill_chunk", rid=req.rid, kv_len=req.kv_len, prompt_len=req.prompt_len,
+                          frontier=req.swa_evicted_seqlen, protected=req.cache_protected_len)
+
+    def _cache_unfinished(self, req: Req, effect: Any) -> None:
+        """SGLang's `cache_unfinished_req` for a chunked request (see `_chunk_boundary`)."""
+        kv_len, protected = req.kv_len, req.cache_protected_len
+        evicted = req.swa_evicted_seqlen if effect is None or effect.swa_evicted_seqlen is None \
+            else effect.swa_evicted_seqlen
+        table = self.req_to_token_pool.req_to_token
+        if self.reach is not None:
+            self.reach.table_read(req.row, req.rid, 0, kv_len, "the cache of a chunked request's processed part")
+        result = self.tree_cache.cache_unfinished(
+            req.origin_input_ids[:kv_len], table[req.row, :kv_len].to(torch.int64),
+            prev_prefix_len=protected, swa_evicted_seqlen=evicted,
+            lock=req.lock if effect is None or effect.move_lock is not False else None,
+        )
+        if effect is not None and effect.move_lock is False:
+            self.tree_cache.dec_lock_ref(result.lock)  # the old lock stays where it was
+        else:
+            req.lock = result.lock
+        new_len = result.protected_len
+        self.req_to_token_pool.write(req.row, protected, result.slots[protected:new_len])
+        if self.reach is not None:
+            self.reach.table_written(req.row, protected, new_len, "rewritten with the radix cache's slots")
+        req.cache_protected_len = new_len
+        req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, new_len)
 
     def _evict_tree(self, num_tokens: int) -> None:
         """Evict the radix cache until both pools have `num_tokens` free (SGLang's
@@ -476,9 +651,14 @@ class Scheduler:
         cols = torch.tensor([r.kv_len - 1 for r in reqs], dtype=torch.int64, device=self.device)
         return self.allocator.alloc_decode([r.kv_len + 1 for r in reqs], table[rows, cols].to(torch.int64))
 
-    def _evict_windows(self, reqs: list[Req]) -> None:
+    def _evict_windows(self, reqs: list[Req], *, chunk_boundary: bool = False) -> None:
         """Release the SWA peers that slid out of each request's window (SGLang's
         `maybe_evict_swa` and `free_swa_out_of_window_slots`).
+
+        At a chunk boundary (`chunk_boundary`) the frontier moves at once, as SGLang moves it
+        before every chunk of a chunked prefill (no rate limit), with `pre_len` the processed
+        length; SGLang does so for its chunk cache only and leaves a radix-cached chain's SWA to
+        the tree's eviction, where ours frees it here and caches it as a tombstone.
 
         Rate-limited per request: decode batch `idx` of a request (0 for its first decode)
         evicts when `idx % swa_eviction_interval == 1`, never at 0 (SGLang skips it: under overlap
@@ -496,7 +676,7 @@ class Scheduler:
         keep = max(self.window, page) if self.tree_cache is not None else self.window
         for req in reqs:
             decode_batch_idx = len(req.output_ids) - 1
-            if decode_batch_idx < 1 or (decode_batch_idx - 1) % interval:
+            if not chunk_boundary and (decode_batch_idx < 1 or (decode_batch_idx - 1) % interval):
                 continue
             frontier = req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, req.cache_protected_len)
             new_frontier = _page_floor(max(frontier, req.kv_len - keep), page)
@@ -520,7 +700,10 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finished_step = self.step_no
-        self.running.remove(req)
+        if req is self.chunked_req:  # aborted between two chunks
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
         self.canary.forget(req.rid)
         effect = NO_FINISH_EFFECT if self.perturber is None else self._hook(RequestFinish(ReqState.of(req)))
         if not effect.leak:

@@ -103,6 +103,8 @@ class Knob(FieldType):
         choices = engine_config.CHOICES.get(self.name)
         if choices:
             return {"enum": [*choices, 0, 1, 2] if self.name == "invariant_check" else list(choices)}
+        if self.name == "chunked_prefill_size":
+            return {"oneOf": [{"enum": ["auto", "off"]}, {"type": "integer", "minimum": -1}]}
         for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number")):
             if isinstance(self.default, kind):
                 return {"type": name}

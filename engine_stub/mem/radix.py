@@ -27,7 +27,8 @@ import torch
 
 from engine_stub.mem.swa import SWATokenToKVPoolAllocator
 
-__all__ = ["CachedPath", "LRUList", "LockHandle", "MatchResult", "SWARadixCache", "TreeNode"]
+__all__ = ["CachedPath", "LRUList", "LockHandle", "MatchResult", "SWARadixCache", "TreeNode",
+           "UnfinishedResult"]
 
 _node_ids = itertools.count()
 
@@ -70,6 +71,15 @@ class LockHandle:
     node: TreeNode
     swa_locked_tokens: int
     released: bool = False
+
+
+@dataclass(frozen=True)
+class UnfinishedResult:
+    """What `cache_unfinished` hands back to a request that goes on running."""
+
+    slots: torch.Tensor  # int64 FULL slots the tree holds for [0, protected_len): its row's new prefix
+    lock: LockHandle  # the request's lock, now on the node that ends at protected_len
+    protected_len: int  # the request's new cache_protected_len
 
 
 @dataclass(frozen=True)
@@ -287,6 +297,32 @@ class SWARadixCache:
                 node = self._add_child(node, token_ids[matched:split], slots[matched:split], tombstone=True)
             self._add_child(node, token_ids[split:], slots[split:], tombstone=False)
         return matched
+
+    def cache_unfinished(
+        self,
+        token_ids: list[int],
+        slots: torch.Tensor,
+        *,
+        prev_prefix_len: int,
+        swa_evicted_seqlen: int,
+        lock: LockHandle | None,
+    ) -> UnfinishedResult:
+        """Cache the processed part of a request that goes on running (SGLang's
+        `cache_unfinished_req`, called between the chunks of a chunked prefill).
+
+        Inserts `token_ids` (page-aligned) with the request's slots, the part below
+        `swa_evicted_seqlen` as a tombstone, then matches them again: where the tree already
+        held some of these tokens the insert freed the incoming copy, so the request must read
+        the tree's slots from now on. The request's lock moves from its old node to the node
+        the match ends at (SGLang releases the old lock first, then takes the new one).
+        """
+        self.insert(token_ids, slots, prev_prefix_len=prev_prefix_len, swa_evicted_seqlen=swa_evicted_seqlen)
+        match = self.match_prefix(token_ids)
+        # SGLang asserts the same: the match covers what the request held before.
+        assert prev_prefix_len <= match.matched_len, (prev_prefix_len, match.matched_len)
+        if lock is not None:
+            self.dec_lock_ref(lock)
+        return UnfinishedResult(match.slots, self.inc_lock_ref(match.last_node), match.matched_len)
 
     def _take_duplicate(self, node: TreeNode, slots: torch.Tensor, lo: int, hi: int, evicted: int) -> None:
         """The incoming copy `slots[lo:hi]` of the tokens `node` already holds (`node` is exactly

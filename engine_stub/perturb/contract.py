@@ -37,6 +37,10 @@ DAMAGE_KINDS: dict[str, str] = {
                  "(kept: never freed, freed_in_window, freed_twice); before/after its owner count",
     "frontier": "a request's window frontier: request; before/after positions",
     "sampled_token": "a sampled token: request, position; before/after token ids",
+    "radix_node": "a radix-cached slot's SWA state: slot (full), position, request; before/after "
+                  "tombstone|live",
+    "radix_lock": "a radix lock a running request should hold on a cached slot: slot (full), "
+                  "position, request; before/after its lock count",
     "switch": "an engine behaviour switch: detail names it; before/after its value",
 }
 POOLS = ("full", "swa")

@@ -25,6 +25,8 @@ from engine_stub.fields import Field, Int, Table
 from engine_stub.perturb.contract import Damage, KindContext, Landing
 from engine_stub.perturb.sites import (
     BeforeStep,
+    ChunkBoundary,
+    ChunkEffect,
     EvictionEffect,
     FinishEffect,
     ReqState,
@@ -403,3 +405,42 @@ def swap_next_token(ctx: KindContext[Sampling]) -> Landing | None:
                           before=before[k], after=next_ids[k]) for k in (i, j))
     return Landing({"rids": [reqs[i].rid, reqs[j].rid], "before": [before[i], before[j]],
                     "after": [next_ids[i], next_ids[j]]}, damage, SamplingEffect(next_ids=next_ids))
+
+
+# ---- kinds at a chunk boundary (a chunked prefill caches its processed part) ---------------------
+
+
+@register_kind("unfinished_insert_live_head", Site.ON_CHUNK_BOUNDARY,
+               caught_by=("idle.radix_sanity", "kv_canary.verify_position"))
+def unfinished_insert_live_head(ctx: KindContext[ChunkBoundary]) -> Landing | None:
+    """Cache a chunked request's processed part as if its window-evicted head still had SWA KV (radix cache only).
+    The tree holds live nodes whose SWA peers are gone: the idle radix check (idle.radix_sanity), or the
+    canary's sweep and a later cache hit reading them (kv_canary.verify_position)."""
+    hook, view = ctx.hook, ctx.view
+    req = _site_target(ctx)
+    if req is None or not view.has_radix_cache or req.frontier <= hook.protected_len:
+        return None
+    slots = _ints(view.slot_range(req, hook.protected_len, req.frontier))
+    damage = tuple(Damage("radix_node", slot=slot, position=hook.protected_len + i, request=req.rid,
+                          before="tombstone", after="live")
+                   for i, slot in enumerate(slots))
+    return Landing({"rid": req.rid, "head": [hook.protected_len, req.frontier]}, damage,
+                   ChunkEffect(swa_evicted_seqlen=hook.protected_len))
+
+
+@register_kind("unfinished_lock_not_moved", Site.ON_CHUNK_BOUNDARY,
+               caught_by=("kv_canary.verify_position", "kv_canary.verify_chain_hash"))
+def unfinished_lock_not_moved(ctx: KindContext[ChunkBoundary]) -> Landing | None:
+    """Leave a chunked request's radix lock on its old node when its processed part is cached (radix cache only).
+    The chunk just cached is unlocked while the request still reads it: once the tree evicts it, the next
+    chunk reads freed or reused slots (kv_canary.verify_position, verify_chain_hash)."""
+    hook, view = ctx.hook, ctx.view
+    req = _site_target(ctx)
+    if req is None or not view.has_radix_cache or req.kv_len <= hook.protected_len:
+        return None
+    first = hook.protected_len
+    slots = _ints(view.slot_range(req, first, req.kv_len))
+    damage = tuple(Damage("radix_lock", slot=slot, position=first + i, request=req.rid,
+                          before=1, after=0) for i, slot in enumerate(slots))
+    return Landing({"rid": req.rid, "unlocked": [first, req.kv_len]}, damage,
+                   ChunkEffect(move_lock=False))

@@ -65,6 +65,8 @@ class Perturber:
             self._events_seen.add("request_finish")
         if stats["cached_tokens"] > 0:
             self._events_seen.add("cache_hit")
+        if stats["prefill_chunks"] > 0:
+            self._events_seen.add("chunk_boundary")
 
     def _eligible(self, armed: _Armed, step: int) -> bool:
         trig = armed.spec.trigger

@@ -59,6 +59,12 @@ def locations_of(damage: Damage) -> tuple[Location, ...]:
         return (("frontier", damage.request),)
     if kind == "sampled_token":
         return (("token", damage.request, damage.position),)
+    if kind == "radix_node":
+        # The tree says live where the mapping says released: whoever reads the mapping.
+        return (("mapping", damage.slot),)
+    if kind == "radix_lock":
+        # An unlocked slot matters once the tree's eviction frees it under its reader.
+        return (("free", "full", damage.slot), ("free", "swa", damage.slot))
     return ()  # a switch: the code it flips runs at once
 
 
@@ -214,9 +220,9 @@ class ReachTracker:
         if self._tracked:
             self.read([("table", row, p) for p in range(lo, hi)] + [("frontier", rid)], by)
 
-    def table_written(self, row: int, lo: int, hi: int) -> None:
+    def table_written(self, row: int, lo: int, hi: int, by: str = "its row was handed to a new request") -> None:
         if self._tracked:
-            self.kill([("table", row, p) for p in range(lo, hi)], "its row was handed to a new request")
+            self.kill([("table", row, p) for p in range(lo, hi)], by)
 
     def finished(self, rid: str) -> None:
         if self._tracked and self._wanted("token"):

@@ -12,6 +12,8 @@ change what happens next, a typed effect the scheduler applies:
     on_request_finish    RequestFinish(req)                               FinishEffect(leak,
                                                                           free_full_again)
     cache_hit            CacheHit(req, cached_len)                        -
+    on_chunk_boundary    ChunkBoundary(req, protected_len)                ChunkEffect(swa_evicted_seqlen,
+                                                                          move_lock)
 
 A kind's effect names only what it changes (None: as planned); the perturber folds the effects of
 every kind that landed into the site's planned effect (`planned()`), which the scheduler applies.
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AfterForward", "BeforeStep", "CacheHit", "EvictionEffect", "FinishEffect",
+__all__ = ["AfterForward", "BeforeStep", "CacheHit", "ChunkBoundary", "ChunkEffect", "EvictionEffect", "FinishEffect",
            "NO_FINISH_EFFECT", "ReqState", "RequestFinish", "Sampling", "SamplingEffect",
            "Site", "SiteContext", "WindowEviction", "merge_effects"]
 
@@ -43,6 +45,7 @@ class Site(str, enum.Enum):
     ON_WINDOW_EVICTION = "on_window_eviction"
     ON_REQUEST_FINISH = "on_request_finish"
     CACHE_HIT = "cache_hit"
+    ON_CHUNK_BOUNDARY = "on_chunk_boundary"
 
 
 class _Req(Protocol):
@@ -93,6 +96,12 @@ class FinishEffect:
 
 
 NO_FINISH_EFFECT = FinishEffect()
+
+
+@dataclass(frozen=True)
+class ChunkEffect:
+    swa_evicted_seqlen: int | None = None  # where the cached part's tombstone head ends
+    move_lock: bool | None = None  # False: the request's lock stays on its old node
 
 
 def merge_effects(base: Any, change: Any) -> Any:
@@ -188,3 +197,19 @@ class CacheHit(SiteContext):
     SITE: ClassVar[Site] = Site.CACHE_HIT
     req: ReqState
     cached_len: int
+
+
+@dataclass(frozen=True)
+class ChunkBoundary(SiteContext):
+    """A chunk that does not end `req`'s prompt ran and its window frontier moved; with a radix
+    cache, `[0, req.kv_len)` is about to be cached (`cache_unfinished`): below `req.frontier` as a
+    tombstone, the lock moved to its last node. `protected_len`: the request's cached prefix
+    before this insert."""
+
+    SITE: ClassVar[Site] = Site.ON_CHUNK_BOUNDARY
+    EFFECT: ClassVar[type] = ChunkEffect
+    req: ReqState
+    protected_len: int
+
+    def planned(self) -> ChunkEffect:
+        return ChunkEffect()

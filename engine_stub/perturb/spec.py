@@ -34,7 +34,7 @@ __all__ = ["GROUP_WORDS", "POSITION_WORDS", "REQUEST_WORDS", "TARGET", "TRIGGER"
            "VALUE_WORDS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec",
            "check_perturbations", "item_schema", "parse_perturbations"]
 
-TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit")
+TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit", "chunk_boundary")
 POSITION_WORDS = ("in_window", "retained_unread", "out_of_window", "last")
 REQUEST_WORDS = ("random", "all", "cached")
 VALUE_WORDS = ("other_live_slot", "freed_slot", "zero", "minus_one")

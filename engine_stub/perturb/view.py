@@ -29,8 +29,9 @@ class SchedulerView:
         self.has_radix_cache = sched.tree_cache is not None
 
     def running(self) -> list[ReqState]:
-        return sorted((ReqState.of(r) for r in self._sched.running if r.kv_len > 0),
-                      key=lambda r: r.rid)
+        chunked = self._sched.chunked_req  # prefilled in chunks: it holds KV and a row too
+        reqs = self._sched.running if chunked is None else [chunked, *self._sched.running]
+        return sorted((ReqState.of(r) for r in reqs if r.kv_len > 0), key=lambda r: r.rid)
 
     def _table(self) -> torch.Tensor:
         return self._sched.req_to_token_pool.req_to_token
