@@ -22,7 +22,7 @@ from pathlib import Path
 __all__ = ["AREAS", "Regression", "RegressionError", "catalogue", "materialize", "regression"]
 
 AREAS = ("pr36723", "free_group", "mapping", "window", "admission", "finish", "radix", "suballoc",
-         "paged", "req_to_token", "kv_canary", "ledgers")
+         "paged", "req_to_token", "kv_canary", "ledgers", "chunk")
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 ENGINE_PACKAGE = "engine_stub"
 

@@ -39,8 +39,6 @@ DAMAGE_KINDS: dict[str, str] = {
     "sampled_token": "a sampled token: request, position; before/after token ids",
     "radix_node": "a radix-cached slot's SWA state: slot (full), position, request; before/after "
                   "tombstone|live",
-    "radix_lock": "a radix lock a running request should hold on a cached slot: slot (full), "
-                  "position, request; before/after its lock count",
     "switch": "an engine behaviour switch: detail names it; before/after its value",
 }
 POOLS = ("full", "swa")

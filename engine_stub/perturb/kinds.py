@@ -411,11 +411,11 @@ def swap_next_token(ctx: KindContext[Sampling]) -> Landing | None:
 
 
 @register_kind("unfinished_insert_live_head", Site.ON_CHUNK_BOUNDARY,
-               caught_by=("idle.radix_sanity", "kv_canary.verify_position"))
+               caught_by=("swa.peer_mapped", "idle.radix_sanity", "kv_canary.verify_position"))
 def unfinished_insert_live_head(ctx: KindContext[ChunkBoundary]) -> Landing | None:
     """Cache a chunked request's processed part as if its window-evicted head still had SWA KV (radix cache only).
-    The tree holds live nodes whose SWA peers are gone: the idle radix check (idle.radix_sanity), or the
-    canary's sweep and a later cache hit reading them (kv_canary.verify_position)."""
+    The tree holds live nodes whose SWA peers are gone: its SWA eviction free_swa's them again on page 1
+    (swa.peer_mapped), the canary's sweep reads them (kv_canary.verify_position), else the idle radix check."""
     hook, view = ctx.hook, ctx.view
     req = _site_target(ctx)
     if req is None or not view.has_radix_cache or req.frontier <= hook.protected_len:
@@ -426,21 +426,3 @@ def unfinished_insert_live_head(ctx: KindContext[ChunkBoundary]) -> Landing | No
                    for i, slot in enumerate(slots))
     return Landing({"rid": req.rid, "head": [hook.protected_len, req.frontier]}, damage,
                    ChunkEffect(swa_evicted_seqlen=hook.protected_len))
-
-
-@register_kind("unfinished_lock_not_moved", Site.ON_CHUNK_BOUNDARY,
-               caught_by=("kv_canary.verify_position", "kv_canary.verify_chain_hash"))
-def unfinished_lock_not_moved(ctx: KindContext[ChunkBoundary]) -> Landing | None:
-    """Leave a chunked request's radix lock on its old node when its processed part is cached (radix cache only).
-    The chunk just cached is unlocked while the request still reads it: once the tree evicts it, the next
-    chunk reads freed or reused slots (kv_canary.verify_position, verify_chain_hash)."""
-    hook, view = ctx.hook, ctx.view
-    req = _site_target(ctx)
-    if req is None or not view.has_radix_cache or req.kv_len <= hook.protected_len:
-        return None
-    first = hook.protected_len
-    slots = _ints(view.slot_range(req, first, req.kv_len))
-    damage = tuple(Damage("radix_lock", slot=slot, position=first + i, request=req.rid,
-                          before=1, after=0) for i, slot in enumerate(slots))
-    return Landing({"rid": req.rid, "unlocked": [first, req.kv_len]}, damage,
-                   ChunkEffect(move_lock=False))

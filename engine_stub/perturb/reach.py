@@ -62,9 +62,6 @@ def locations_of(damage: Damage) -> tuple[Location, ...]:
     if kind == "radix_node":
         # The tree says live where the mapping says released: whoever reads the mapping.
         return (("mapping", damage.slot),)
-    if kind == "radix_lock":
-        # An unlocked slot matters once the tree's eviction frees it under its reader.
-        return (("free", "full", damage.slot), ("free", "swa", damage.slot))
     return ()  # a switch: the code it flips runs at once
 
 

@@ -12,8 +12,7 @@ change what happens next, a typed effect the scheduler applies:
     on_request_finish    RequestFinish(req)                               FinishEffect(leak,
                                                                           free_full_again)
     cache_hit            CacheHit(req, cached_len)                        -
-    on_chunk_boundary    ChunkBoundary(req, protected_len)                ChunkEffect(swa_evicted_seqlen,
-                                                                          move_lock)
+    on_chunk_boundary    ChunkBoundary(req, protected_len)                ChunkEffect(swa_evicted_seqlen)
 
 A kind's effect names only what it changes (None: as planned); the perturber folds the effects of
 every kind that landed into the site's planned effect (`planned()`), which the scheduler applies.
@@ -101,7 +100,6 @@ NO_FINISH_EFFECT = FinishEffect()
 @dataclass(frozen=True)
 class ChunkEffect:
     swa_evicted_seqlen: int | None = None  # where the cached part's tombstone head ends
-    move_lock: bool | None = None  # False: the request's lock stays on its old node
 
 
 def merge_effects(base: Any, change: Any) -> Any:
