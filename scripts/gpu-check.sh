@@ -29,7 +29,7 @@ run() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 run python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py tests/test_synccheck.py
 run python3 -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_swa_allocator.py
 run timeout 240 python3 scripts/bench_alloc.py --device cuda --iters 200
-run timeout 240 python3 scripts/bench_engine.py --starts 1 --reps 3
+run timeout 240 python3 scripts/bench_engine.py --starts 1 --reps 3 --chunked-reps 0
 run timeout 240 python3 -m canaries.cli run --device cuda --start fresh --report-dir "$out/reports" \
     configs/scenarios/clean-page1-radix.yaml configs/scenarios/strip-mapping-page1.yaml \
     configs/scenarios/flip-kv-swa-in-use.yaml

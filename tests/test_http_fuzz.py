@@ -44,6 +44,8 @@ def _fit_prompt(prompt: Any, limit: int) -> Any:
     if isinstance(prompt, str):
         while len(prompt.encode("utf-8", "surrogatepass")) > limit:
             prompt = prompt[:-1]
+    elif isinstance(prompt, list):
+        prompt = prompt[:limit]
     return prompt
 
 
@@ -60,7 +62,9 @@ def map_case(context: Any, case: Any) -> Any:
     meta = case.meta
     if meta is None or meta.generation.mode != schemathesis.GenerationMode.POSITIVE or not isinstance(body, dict):
         return case
-    limit = _max_prompt_tokens(case)
+    # The documented limit leaves room for one new token; the cap below allows a few more, and
+    # prompt + new tokens must fit the context (a rule between fields no schema can state).
+    limit = _max_prompt_tokens(case) + 1 - FUZZ_MAX_NEW_TOKENS
     if case.operation.path == "/generate":
         if "text" in body:
             body["text"] = _fit_prompt(body["text"], limit)

@@ -1,23 +1,25 @@
 """Admission: which waiting requests a prefill batch takes, under the prefill token budget and
-the pools' reservations (`Scheduler._admit`)."""
+the pools' reservations (`Scheduler._admit`), and the submit-time refusal of what no empty
+engine could admit (`admission.refusal`)."""
 
 from canaries.regressions import regression
 
 SCHED = "engine_stub/scheduler.py"
+ADMISSION = "engine_stub/admission.py"
 
 regression(
     name="admission.budget-exact-fit-refused", area="admission", file=SCHED,
-    old="        if admitted and extend_len > budget:\n",
-    new="        if admitted and extend_len == budget:\n",
+    old="        elif admitted and extend_len > budget:\n",
+    new="        elif admitted and extend_len == budget:\n",
     models="the prefill token budget compares with == instead of >: a request that fits the budget "
            "exactly waits for the next batch, and one past it is crammed in (a cosmic-ray survivor, "
            "promoted)",
     caught_by=("swap-next-token-prefill-budget-exact-fit",),
 )
 regression(
-    name="admission.swa-fit-ignores-headroom", area="admission", file=SCHED,
-    old="        if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:\n",
-    new="        if extend_tokens > cfg.swa_pool_tokens:\n",
+    name="admission.swa-fit-ignores-headroom", area="admission", file=ADMISSION,
+    old="        if extend_tokens + config.swa_headroom > config.swa_pool_tokens:\n",
+    new="        if extend_tokens > config.swa_pool_tokens:\n",
     models="the submit-time check forgets the SWA headroom a running request needs beside its "
            "prompt: a prompt that fits the pool only without it is queued, and no empty engine "
            "can ever admit it (the same check as the cosmic-ray survivor `+` to `|`)",
