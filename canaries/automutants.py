@@ -8,8 +8,9 @@ cosmic-ray's own runner would mutate the files of the tree it is given in place 
 command at a time; applying its mutations to copies keeps the checkout untouched and lets the
 campaign share its baseline and scenario selection.
 
-Targets: every module of `engine_stub/mem/` (the backend adapter aside) and, of the scheduler,
-only the functions that call the memory path.
+Targets: every module of `engine_stub/mem/` (the backend adapter aside), `admission.py` (the
+submit-time refusal rule and the per-request full reserve the scheduler's admission uses) and, of
+the scheduler, only the functions that call the memory path.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from canaries.regressions import RegressionError, engine_sources
 __all__ = ["AutoMutant", "MEMORY_FUNCTIONS", "TARGETS", "enumerate_mutants", "sample_mutants"]
 
 TARGETS = ("engine_stub/mem/allocator.py", "engine_stub/mem/swa.py", "engine_stub/mem/radix.py",
-           "engine_stub/mem/req_to_token.py", "engine_stub/scheduler.py")
+           "engine_stub/mem/req_to_token.py", "engine_stub/scheduler.py", "engine_stub/admission.py")
 # The scheduler's functions on the memory path (its other code is batching and bookkeeping).
 MEMORY_FUNCTIONS = frozenset({
     "check_fits", "_admit", "_alloc_extend", "_evict_tree", "_schedule_decode", "_alloc_decode",

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from engine_stub.admission import full_reserve, refusal
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.idle_check import IdleChecker
@@ -166,32 +167,12 @@ class Scheduler:
     # ---- requests --------------------------------------------------------------------------------
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise RequestRejected when a request could never be served by this config."""
-        cfg = self.config
-        if prompt_len + max_new_tokens > cfg.max_context_len:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_context_len={cfg.max_context_len}",
-                # The prompt is at fault only if it leaves no room for a single new token.
-                param="prompt" if prompt_len >= cfg.max_context_len else "max_new_tokens",
-            )
-        # What admission reserves for this request alone: if even an empty engine cannot give
-        # it that, it would wait forever. Chunked, the SWA pool holds a chunk at a time, and a
-        # chunk always fits (config.prefill_chunk_tokens); the full pool holds the whole prompt.
-        extend_tokens = -(-prompt_len // self.page_size) * self.page_size
-        if self.chunk_tokens is None:
-            if extend_tokens + self._swa_headroom() > cfg.swa_pool_tokens:
-                raise RequestRejected(
-                    f"prompt ({prompt_len} tokens) cannot be prefilled: swa_pool_tokens={cfg.swa_pool_tokens} "
-                    f"minus one window of headroom ({self._swa_headroom()}), and chunked_prefill_size is off"
-                )
-        full_need = extend_tokens + self._full_reserve(max_new_tokens)
-        if full_need > cfg.full_pool_tokens:
-            raise RequestRejected(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs {full_need} "
-                f"slots of the full pool, which has full_pool_tokens={cfg.full_pool_tokens}",
-                param="max_new_tokens",
-            )
+        """Raise RequestRejected when a request could never be served by this config (the rule:
+        `admission.refusal`, torch-free, which `canary validate` asks too)."""
+        refused = refusal(self.config, prompt_len, max_new_tokens)
+        if refused is not None:
+            message, param = refused
+            raise RequestRejected(message, param=param)
 
     def add_request(self, req: Req) -> None:
         self.check_fits(req.prompt_len, req.max_new_tokens)
@@ -376,22 +357,16 @@ class Scheduler:
 
     def _full_reserve(self, new_tokens: int) -> int:
         """Full slots a request keeps in reserve for `new_tokens` more tokens (plus one page)."""
-        page = self.page_size
-        return -(-new_tokens // page) * page + page
+        return full_reserve(self.page_size, new_tokens)
 
     def _outstanding(self, reqs: list[Req]) -> tuple[int, int]:
         """Full and SWA slots `reqs` may still need (their reservations).
 
-        A request still prefilling in chunks also reserves the full slots of the rest of its
-        prompt, and an SWA chunk beside its headroom: it holds at most one chunk and what the
-        next chunk's window reads (see `_chunk_boundary`)."""
+        Never asked while a request is between two chunks: its chunks take the whole chunk
+        budget of their steps (as in SGLang), so new requests join only the batch of its last
+        chunk, when it reserves what a running request does."""
         full = sum(self._full_reserve(r.remaining_new_tokens) for r in reqs)
-        swa = len(reqs) * self._swa_headroom()
-        for r in reqs:
-            if not r.prefill_done:
-                full += _page_ceil(r.prompt_len, self.page_size) - r.prefill_end
-                swa += r.chunk_size
-        return full, swa
+        return full, len(reqs) * self._swa_headroom()
 
     def _schedule_prefill(self) -> list[Req]:
         admitted: list[Req] = []
@@ -579,13 +554,9 @@ class Scheduler:
             self.reach.table_read(req.row, req.rid, 0, kv_len, "the cache of a chunked request's processed part")
         result = self.tree_cache.cache_unfinished(
             req.origin_input_ids[:kv_len], table[req.row, :kv_len].to(torch.int64),
-            prev_prefix_len=protected, swa_evicted_seqlen=evicted,
-            lock=req.lock if effect is None or effect.move_lock is not False else None,
+            prev_prefix_len=protected, swa_evicted_seqlen=evicted, lock=req.lock,
         )
-        if effect is not None and effect.move_lock is False:
-            self.tree_cache.dec_lock_ref(result.lock)  # the old lock stays where it was
-        else:
-            req.lock = result.lock
+        req.lock = result.lock
         new_len = result.protected_len
         self.req_to_token_pool.write(req.row, protected, result.slots[protected:new_len])
         if self.reach is not None:

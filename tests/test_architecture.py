@@ -48,6 +48,8 @@ ALLOWED = {
     "engine_stub.events": set(),
     "engine_stub.synccheck": set(),
     "engine_stub.config": set(),
+    # The submit-time refusal rule: torch-free, so `canary validate` asks it too.
+    "engine_stub.admission": {"engine_stub.config"},
     "engine_stub.req": set(),
     # The sglang backend maps SGLang's firings onto catalogued detectors.
     "engine_stub.mem.sglang_backend": {"engine_stub.invariants", "engine_stub.mem", "engine_stub.detectors"},
@@ -57,9 +59,9 @@ ALLOWED = {
     "engine_stub.perturb": {"engine_stub.perturb", "engine_stub.detectors", "engine_stub.fields"},
     "engine_stub.idle_check": {"engine_stub.invariants"},
     "engine_stub.scheduler": {
-        "engine_stub.config", "engine_stub.events", "engine_stub.idle_check", "engine_stub.invariants",
-        "engine_stub.kv_canary", "engine_stub.mem", "engine_stub.model", "engine_stub.perturb.sites",
-        "engine_stub.req",
+        "engine_stub.admission", "engine_stub.config", "engine_stub.events", "engine_stub.idle_check",
+        "engine_stub.invariants", "engine_stub.kv_canary", "engine_stub.mem", "engine_stub.model",
+        "engine_stub.perturb.sites", "engine_stub.req",
     },
     "engine_stub.engine": {
         "engine_stub.config", "engine_stub.events", "engine_stub.invariants", "engine_stub.req",
@@ -146,8 +148,8 @@ def test_every_command_has_its_module_and_the_cli_only_dispatches() -> None:
 
 # Modules of the author's loop (validate, list, schema, new): none may import torch when it is
 # imported; tests/test_author_loop.py checks the same at run time.
-TORCH_FREE = ("canaries.cli", "canaries.commands", "canaries.scenario", "engine_stub.config",
-              "engine_stub.detectors", "engine_stub.fields", "engine_stub.perturb.contract",
+TORCH_FREE = ("canaries.cli", "canaries.commands", "canaries.scenario", "engine_stub.admission",
+              "engine_stub.config", "engine_stub.detectors", "engine_stub.fields", "engine_stub.perturb.contract",
               "engine_stub.perturb.kinds", "engine_stub.perturb.loader",
               "engine_stub.perturb.perturber", "engine_stub.perturb.sites",
               "engine_stub.perturb.spec", "engine_stub.perturb.targets")

@@ -5,7 +5,9 @@ config (profile knobs under the scenario's, built into one EngineConfig: the sui
 validation of it, before the engine's own at its process boundary), expect's modes, the
 disabled knobs in force, the workload fitting the engine. Validation collects every problem it
 can find; it never stops at the first. It also warns (never fails) where a scenario is valid but
-cannot do what it says: a `target.request` index no running set of the workload reaches.
+cannot do what it says: a `target.request` index no running set of the workload reaches, a
+request it must have served that the engine would refuse (a 400 at submit: the run would end
+INCONCLUSIVE), a request planned as refused that the engine would serve.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from canaries.scenario.model import (
     Workload,
 )
 from canaries.scenario.yamldoc import Doc, read_doc
+from engine_stub.admission import refusal
 from engine_stub.config import ConfigError, EngineConfig, coerce_knob, config_from_sources
 from engine_stub.fields import INVALID
 
@@ -141,10 +144,14 @@ def _engine(doc: Doc, raw: Any, seed: int) -> tuple[str, EngineConfig | None]:
 # ---- workload, expect ----------------------------------------------------------------------------
 
 
-def _workload(doc: Doc, raw: Any, engine: EngineConfig | None) -> Workload:
+Spans = tuple[tuple[int, int], ...]  # (shortest, longest) prompt of each request, in rid order
+
+
+def _workload(doc: Doc, raw: Any, engine: EngineConfig | None) -> tuple[Workload, Spans]:
+    """The workload, and the prompt spans of its requests (as the driver builds the prompts)."""
     values = WORKLOAD.parse(raw, "workload", doc.add)
     if values is INVALID:
-        return Workload()
+        return Workload(), ()
     extras = values.pop("extra_requests", ())
     w = dataclasses.replace(Workload(), **values)
     if "shared_prefix_tokens" in values and w.shared_prefix_tokens >= w.prompt_tokens[0]:
@@ -156,15 +163,17 @@ def _workload(doc: Doc, raw: Any, engine: EngineConfig | None) -> Workload:
         doc.add(field_, f"longest prompt ({w.prompt_tokens[1]}) + max_new_tokens "
                         f"({w.max_new_tokens}) exceeds the engine's "
                         f"max_context_len={engine.max_context_len}")
-    return dataclasses.replace(w, extra_requests=_extra_requests(doc, extras, w, engine))
+    extras, spans = _extra_requests(doc, extras, w, engine)
+    return dataclasses.replace(w, extra_requests=extras), spans
 
 
 def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
-                    engine: EngineConfig | None) -> tuple[ExtraRequest, ...]:
+                    engine: EngineConfig | None) -> tuple[tuple[ExtraRequest, ...], Spans]:
     """The explicit requests, each checked against the ones before it: `prompt_of` names an
     earlier request (one that is served, for `with_answer`), `keep_tokens` fits the shortest
     prompt (and answer) that request can have, and a request that must be served fits the
-    engine's context."""
+    engine's context. Also the prompt spans of every request (generated ones first), or () once
+    a problem is found."""
     lo, hi = w.prompt_tokens
     shared = w.shared_prefix_tokens
     # (shortest, longest) prompt of each request so far, in rid order.
@@ -179,13 +188,13 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
             if extra.prompt_of >= index:
                 doc.add(f"{where}.prompt_of", f"must name an earlier request (below {index}), got "
                                               f"{extra.prompt_of}")
-                return ()
+                return (), ()
             shortest, longest = spans[extra.prompt_of]
             if extra.with_answer:
                 if not answers[extra.prompt_of]:
                     doc.add(f"{where}.with_answer", f"request {extra.prompt_of} is planned to be "
                                                     "refused: it has no answer to follow")
-                    return ()
+                    return (), ()
                 shortest += answers[extra.prompt_of]
                 longest += answers[extra.prompt_of]
             if extra.keep_tokens is not None:
@@ -193,26 +202,26 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
                     what = "prompt and answer" if extra.with_answer else "prompt"
                     doc.add(f"{where}.keep_tokens", f"request {extra.prompt_of}'s {what} may be "
                                                     f"only {shortest} tokens long, got {extra.keep_tokens}")
-                    return ()
+                    return (), ()
                 shortest = longest = extra.keep_tokens
         else:
             assert extra.prompt_tokens is not None
             if extra.prompt_tokens <= shared:
                 doc.add(f"{where}.prompt_tokens", f"must exceed shared_prefix_tokens ({shared}), got "
                                                   f"{extra.prompt_tokens}")
-                return ()
+                return (), ()
             shortest = longest = extra.prompt_tokens
         span = (shortest + extra.append_tokens, longest + extra.append_tokens)
         if extra.min_cached_tokens is not None:
             if extra.status != 200 or (engine is not None and not engine.radix_cache):
                 doc.add(f"{where}.min_cached_tokens", "needs a served request (status 200) and "
                                                       "radix_cache: true")
-                return ()
+                return (), ()
             if extra.min_cached_tokens >= span[0]:
                 doc.add(f"{where}.min_cached_tokens", f"must be below the prompt's length "
                                                       f"({span[0]}: one token is always computed), "
                                                       f"got {extra.min_cached_tokens}")
-                return ()
+                return (), ()
         spans.append(span)
         max_new = extra.max_new_tokens or w.max_new_tokens
         answers.append(max_new if extra.status == 200 else 0)
@@ -221,7 +230,7 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
                            f"exceeds the engine's max_context_len={engine.max_context_len}; "
                            "give status: 400 if the engine must refuse it")
         out.append(extra)
-    return tuple(out)
+    return tuple(out), tuple(spans)
 
 
 def _expect(doc: Doc, raw: Any, engine: EngineConfig | None, n_perturbations: int) -> Expect:
@@ -299,8 +308,9 @@ def _disabled(doc: Doc, raw: Any, engine: EngineConfig | None) -> Disabled | Non
 # ---- warnings ------------------------------------------------------------------------------------
 
 
-def _warnings(doc: Doc, data: dict, s: Scenario) -> tuple[Problem, ...]:
-    """Valid, yet it cannot do what it says: a request index no running set reaches.
+def _warnings(doc: Doc, data: dict, s: Scenario, spans: Spans) -> tuple[Problem, ...]:
+    """Valid, yet it cannot do what it says: a request index no running set reaches, or a
+    request the engine would not answer as planned (`_refusals`).
 
     A target's request index counts among the running requests in rid order; at most
     min(workload.concurrency, workload.requests, engine.max_running_requests) run at once.
@@ -321,6 +331,52 @@ def _warnings(doc: Doc, data: dict, s: Scenario) -> tuple[Problem, ...]:
                                f"the running ones in rid order, and at most {most} run at once "
                                f"({binding} {most}); use an index below {most}",
                                warning=True))
+    return tuple(out) + _refusals(doc, s, spans)
+
+
+def _refusals(doc: Doc, s: Scenario, spans: Spans) -> tuple[Problem, ...]:
+    """Requests the engine would not answer as planned: one it must serve that it would refuse
+    at submit (`admission.refusal`, the engine's own rule: a 400, and the run INCONCLUSIVE), or
+    one planned as refused that it would serve.
+
+    A refusal only grows with the prompt and with max_new_tokens, so the longest prompt a
+    request can have decides whether it may be refused, and the shortest whether it may be
+    served. The generated requests share max_new_tokens: one warning covers them all.
+    """
+    w, cfg = s.workload, s.engine
+    out: list[Problem] = []
+
+    def warn(path: str, message: str) -> None:
+        out.append(Problem(doc.file, doc.line(path), path, message, warning=True))
+
+    if not spans:  # pragma: no cover - spans are missing only when a problem was reported
+        return ()
+    longest = max(hi for _, hi in spans[:w.requests])
+    refused = refusal(cfg, longest, w.max_new_tokens)
+    if refused is not None:
+        message, param = refused
+        fields = ["workload.prompt_tokens", "workload.max_new_tokens"]
+        if param == "max_new_tokens":
+            fields.reverse()
+        path = next((f for f in fields if f in doc.key_lines), "workload")
+        warn(path, f"requests of up to {longest} prompt tokens would be refused by this engine: "
+                   f"{message}")
+    for j, extra in enumerate(w.extra_requests):
+        where = f"workload.extra_requests[{j}]"
+        shortest, longest = spans[w.requests + j]
+        max_new = extra.max_new_tokens or w.max_new_tokens
+        up_to = f"{longest}" if shortest == longest else f"up to {longest}"
+        if extra.status == 200:
+            refused = refusal(cfg, longest, max_new)
+            if refused is not None:
+                hint = ("; give status: 400 if the engine must refuse it"
+                        if refusal(cfg, shortest, max_new) is not None else "")
+                warn(where, f"a prompt of {up_to} tokens with max_new_tokens {max_new} would be "
+                            f"refused by this engine: {refused[0]}{hint}")
+        elif refusal(cfg, shortest, max_new) is None:
+            as_few = f"{shortest}" if shortest == longest else f"as few as {shortest}"
+            warn(f"{where}.status", f"planned as refused (status: 400), but this engine would serve "
+                                    f"a prompt of {as_few} tokens with max_new_tokens {max_new}")
     return tuple(out)
 
 
@@ -358,7 +414,7 @@ def _load(path: Path) -> tuple[Scenario | None, list[Problem], str | None, int |
     seed = top("seed", SCENARIO["seed"].default)
 
     profile, engine = _engine(doc, data.get("engine"), seed)
-    workload = _workload(doc, data.get("workload"), engine)
+    workload, spans = _workload(doc, data.get("workload"), engine)
     perturbations = SCENARIO["perturbations"].type.parse(data.get("perturbations"),
                                                          "perturbations", doc.add)
     n_pert = len(data["perturbations"]) if isinstance(data.get("perturbations"), list) else 0
@@ -376,7 +432,7 @@ def _load(path: Path) -> tuple[Scenario | None, list[Problem], str | None, int |
         workload=workload, perturbations=perturbations, expect=expect, path=str(path),
         regressions=tuple(regressions), raw=data,
     )
-    scenario = dataclasses.replace(scenario, warnings=_warnings(doc, data, scenario))
+    scenario = dataclasses.replace(scenario, warnings=_warnings(doc, data, scenario, spans))
     return scenario, [], name, name_line
 
 
