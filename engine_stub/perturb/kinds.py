@@ -411,11 +411,11 @@ def swap_next_token(ctx: KindContext[Sampling]) -> Landing | None:
 
 
 @register_kind("unfinished_insert_live_head", Site.ON_CHUNK_BOUNDARY,
-               caught_by=("swa.peer_mapped", "idle.radix_sanity", "kv_canary.verify_position"))
+               caught_by=("swa.peer_mapped", "kv_canary.verify_position"))
 def unfinished_insert_live_head(ctx: KindContext[ChunkBoundary]) -> Landing | None:
     """Cache a chunked request's processed part as if its window-evicted head still had SWA KV (radix cache only).
     The tree holds live nodes whose SWA peers are gone: its SWA eviction free_swa's them again on page 1
-    (swa.peer_mapped), the canary's sweep reads them (kv_canary.verify_position), else the idle radix check."""
+    (swa.peer_mapped), the canary's sweep reads them (kv_canary.verify_position)."""
     hook, view = ctx.hook, ctx.view
     req = _site_target(ctx)
     if req is None or not view.has_radix_cache or req.frontier <= hook.protected_len:
