@@ -62,6 +62,31 @@ class IdleChecker:
             ledger["delta"] = ledger["available"] + ledger["evictable"] + ledger["protected"] - ledger["total"]
         return {"full": full, "swa": swa, "req_rows": rows}
 
+    def census(self) -> dict | None:
+        """Slots of each pool held by more than one owner at idle: the free list (pages
+        expanded to slots) and the radix cache (its FULL slots; its live nodes' SWA peers) are
+        the only owners an idle engine has, so each slot must appear at most once among them.
+        None where the allocator is not ours (the sglang backend keeps its own free lists).
+        Data for the fuzzer's oracle, not an invariant: the ledgers and radix sanity judge."""
+        alloc = self.scheduler.allocator
+        sides = (getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None))
+        if None in sides:
+            return None
+        tree = self.scheduler.tree_cache
+        empty = torch.zeros(0, dtype=torch.int64)
+        counts = {}
+        for name, side, held in (
+            ("full", sides[0], tree.held_slots() if tree else empty),
+            ("swa", sides[1], tree.held_swa_slots() if tree else empty),
+        ):
+            pages = torch.cat([side.free_pages, *side.release_pages]).to(torch.int64).cpu()
+            page = side.page_size
+            free = (pages[:, None] * page + torch.arange(page)).reshape(-1)
+            slots = torch.cat([free, held.to(torch.int64).cpu()])
+            slots = slots[slots > 0]
+            counts[f"{name}_held_twice"] = int(slots.numel() - torch.unique(slots).numel())
+        return counts
+
     def check(self) -> dict:
         """Evaluate the ledgers and radix sanity; log the result; crash if strict and broken."""
         sched = self.scheduler
@@ -71,6 +96,7 @@ class IdleChecker:
         exercise = sched.exercise_stats()
         self.max_mapping_nonidentity = max(self.max_mapping_nonidentity, exercise["mapping_nonidentity"])
         result = {"ledgers": ledgers, "radix_problems": problems[:20], "drops": drops,
+                  "census": self.census(),
                   "balanced": all(v["delta"] == 0 for v in ledgers.values()) and not problems}
         sched.events.write("idle_check", durable=True, **result)
         level = InvariantCheckLevel.STRICT if self.strict else InvariantCheckLevel.WARN

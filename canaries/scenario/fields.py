@@ -245,6 +245,8 @@ EXPECT = Table((
           "a control: no detector may fire and every output must match the no-cache oracle"),
     Field("fires", NameList(_DETECTORS, "detector", non_empty=True), (),
           "detectors that must fire after the first landing (canary list invariants)"),
+    Field("any", Bool(), False,
+          "with fires: one of them firing suffices (generated scenarios say this)"),
     Field("within_steps", Int(minimum=0), None,
           "steps from the first landing to each first firing, at most (with fires)"),
     Field("silent", NameList(_DETECTORS, "detector"), (), "detectors that must not fire"),

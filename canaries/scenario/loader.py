@@ -252,6 +252,9 @@ def _expect(doc: Doc, raw: Any, engine: EngineConfig | None, n_perturbations: in
     if "within_steps" in raw and "fires" not in raw:
         doc.add("expect.within_steps", "only meaningful with fires", key=True)
         parsed.pop("within_steps")
+    if "any" in raw and "fires" not in raw:
+        doc.add("expect.any", "only meaningful with fires", key=True)
+        parsed.pop("any")
     if "detected_by" in raw and "disabled" not in raw:
         doc.add("expect.detected_by", "only meaningful with disabled", key=True)
         parsed.pop("detected_by")
@@ -265,7 +268,7 @@ def _expect(doc: Doc, raw: Any, engine: EngineConfig | None, n_perturbations: in
         if n_perturbations:
             doc.add("perturbations", "a clean (control) scenario must not have perturbations",
                     key=True)
-        for key in ("fires", "silent", "within_steps", "detected_by", "disabled"):
+        for key in ("fires", "any", "silent", "within_steps", "detected_by", "disabled"):
             if key in raw and key not in modes:
                 doc.add(f"expect.{key}", "not allowed with clean: true", key=True)
     elif modes and n_perturbations == 0:

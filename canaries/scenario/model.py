@@ -132,6 +132,7 @@ class Expect:
 
     clean: bool = False
     fires: tuple[str, ...] = ()
+    any: bool = False  # with fires: one of them suffices
     within_steps: int | None = None
     silent: tuple[str, ...] = ()
     engine: str | None = None

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ShrinkResult", "ShrinkStep", "shrink", "scenario_size"]
+__all__ = ["ShrinkResult", "ShrinkStep", "Target", "scenario_size", "shrink", "verdict_target"]
 
 Doc = dict[str, Any]
 
@@ -98,6 +98,13 @@ def _candidates(doc: Doc) -> Iterator[tuple[str, Callable[[Doc], None]]]:
                 setter("prompt_tokens", [max(1, lo // 2), hi])
     elif isinstance(prompt, int) and prompt > 1:
         yield f"workload.prompt_tokens {prompt} -> {prompt // 2}", setter("prompt_tokens", prompt // 2)
+    extras = w.get("extra_requests") or []
+    for i in reversed(range(len(extras))):
+        def drop_extra(d: Doc, i: int = i) -> None:
+            del d["workload"]["extra_requests"][i]
+            if not d["workload"]["extra_requests"]:
+                del d["workload"]["extra_requests"]
+        yield f"drop workload.extra_requests[{i}]", drop_extra
     perturbations = doc.get("perturbations") or []
     if len(perturbations) > 1:
         for i in range(len(perturbations)):
@@ -117,11 +124,25 @@ def _candidates(doc: Doc) -> Iterator[tuple[str, Callable[[Doc], None]]]:
                         yield f"perturbations[{i}].trigger.{key} {value} -> {smaller}", edit
 
 
+Target = Callable[[Any, Any, Path], tuple[str, str]]
+
+
+def verdict_target(scenario: Any, record: Any, run_dir: Path) -> tuple[str, str]:
+    """What `canary shrink` keeps by default: the verdict and its signature."""
+    return record.verdict, record.signature
+
+
 def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str = "local",
            work_dir: str | Path | None = None, max_steps: int = 60,
-           progress: Callable[[ShrinkStep], None] | None = None) -> ShrinkResult:
+           progress: Callable[[ShrinkStep], None] | None = None,
+           target_of: Target = verdict_target, name: str | None = None,
+           header: str | None = None) -> ShrinkResult:
     """Shrink the scenario file `source`; writes the result (default `<name>-shrunk.yaml`
-    beside it) and returns what was tried."""
+    beside it) and returns what was tried.
+
+    `target_of(scenario, record, run_dir)` says what a run must keep to count as the same
+    (default: verdict and signature; `canary fuzz` keeps its oracle's outcome and signature).
+    `name` names the result (default `<name>-shrunk`); `header` replaces its first comment line."""
     from canaries.runner import run_scenario
     from canaries.scenario import ScenarioError, load_scenario
 
@@ -134,18 +155,18 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
     # out: yaml.safe_dump quotes whatever would read back as another type.
     doc: Doc = copy.deepcopy(read_doc(source).data)
     doc["workload"] = _workload(doc, original)
-    doc["name"] = f"{original.name}-shrunk"
+    doc["name"] = name or f"{original.name}-shrunk"
     counter = iter(range(10**6))
 
-    def attempt(candidate: Doc) -> tuple[Any, Any]:
+    def attempt(candidate: Doc) -> tuple[Any, tuple[str, str]]:
         n = next(counter)
         path = work / f"try-{n:03d}.yaml"
         path.write_text(yaml.safe_dump(candidate, sort_keys=False), encoding="utf-8")
         scenario = load_scenario(path)
-        return scenario, run_scenario(scenario, work / f"run-{n:03d}", runtime=runtime)
+        run_dir = work / f"run-{n:03d}"
+        return scenario, target_of(scenario, run_scenario(scenario, run_dir, runtime=runtime), run_dir)
 
-    first, record = attempt(doc)
-    target = (record.verdict, record.signature)
+    first, target = attempt(doc)
     result = ShrinkResult(source, None, target, scenario_size(original), scenario_size(first))
     best, best_size = doc, scenario_size(first)
     improved = True
@@ -157,13 +178,13 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
             candidate = copy.deepcopy(best)
             edit(candidate)
             try:
-                scenario, rec = attempt(candidate)
+                scenario, got = attempt(candidate)
             except ScenarioError as exc:
                 step = ShrinkStep(change, "INVALID", str(exc).splitlines()[0], False, best_size)
             else:
                 size = scenario_size(scenario)
-                kept = (rec.verdict, rec.signature) == target and size <= best_size
-                step = ShrinkStep(change, rec.verdict, rec.signature, kept, size)
+                kept = got == target and size <= best_size
+                step = ShrinkStep(change, got[0], got[1], kept, size)
                 if kept:
                     best, best_size = candidate, size
             result.steps.append(step)
@@ -173,9 +194,10 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
                 improved = True
                 break  # restart from the smaller scenario: its candidates differ
     out = Path(output) if output else source.with_name(f"{original.name}-shrunk.yaml")
-    header = (f"# shrunk by `canary shrink` from {source} (size {result.size_before} -> {best_size}, "
-              f"same verdict {target[0]} and signature {target[1]})\n")
-    out.write_text(header + yaml.safe_dump(best, sort_keys=False), encoding="utf-8")
+    header = header or (f"shrunk by `canary shrink` from {source} (size {result.size_before} -> "
+                        f"{best_size}, same verdict {target[0]} and signature {target[1]})")
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    out.write_text(comment + yaml.safe_dump(best, sort_keys=False), encoding="utf-8")
     load_scenario(out)  # what we wrote must load
     result.output, result.size_after = out, best_size
     return result

@@ -17,7 +17,7 @@ the next). In order:
    INCONCLUSIVE); a `detected_by` detector did not fire -> MISSED.
 7. `expected_firings`: no expected detector fired (an invariant must fire with its catalogued
    bucket) -> WRONG_DETECTOR if another detector fired, else MISSED; only some fired -> MISSED
-   naming the rest.
+   naming the rest (unless `expect.any`: one suffices).
 8. `latency`: a first firing later than `within_steps` steps after the landing -> LATE.
 9. `crash_expectation`: `expect.engine` (crashes|survives) mismatched -> INCONCLUSIVE.
 10. `as_expected`: DISABLED_AS_DECLARED, or DETECTED with each detector's latency in steps.
@@ -171,7 +171,7 @@ def expected_firings(f: Facts) -> Decision | None:
             return "WRONG_DETECTOR", f"expected {_names(ex.fires)}; instead: {', '.join(others)}"
         return "MISSED", f"perturbation landed at step {f.first_landed} but no detector fired"
     missing = [d for d in ex.fires if d not in f.detected]
-    if missing:
+    if missing and not ex.any:
         extra = "".join(f"; {d} fired with bucket {f.wrong_bucket[d]}"
                         for d in missing if d in f.wrong_bucket)
         return "MISSED", f"{_names(hit)} fired but {_names(missing)} did not{extra}"
@@ -182,7 +182,7 @@ def latency(f: Facts) -> Decision | None:
     ex = f.expect
     if ex.disabled is not None or ex.within_steps is None:
         return None
-    late = {d: f.detected[d] for d in ex.fires if f.detected[d] > ex.within_steps}
+    late = {d: f.detected[d] for d in ex.fires if d in f.detected and f.detected[d] > ex.within_steps}
     if not late:
         return None
     what = ", ".join(f"{d} after {_steps(n)}" for d, n in sorted(late.items()))
@@ -203,7 +203,7 @@ def as_expected(f: Facts) -> Decision:
     if ex.disabled is not None:
         return "DISABLED_AS_DECLARED", (f"disabled as declared ({ex.disabled.reason}); caught by "
                                         f"{_names(ex.detected_by)}")
-    return "DETECTED", steps_after({d: f.detected[d] for d in ex.fires})
+    return "DETECTED", steps_after({d: f.detected[d] for d in ex.fires if d in f.detected})
 
 
 RULES: tuple[Rule, ...] = (run_told_nothing, clean_control, not_injected, silent_detectors,

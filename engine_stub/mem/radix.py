@@ -465,6 +465,12 @@ class SWARadixCache:
         values = [n.value for n in self._nodes()]
         return torch.cat(values) if values else self._empty()
 
+    def held_swa_slots(self) -> torch.Tensor:
+        """The SWA peers of every live (non-tombstone) node's slots, int64 (unmapped ones read 0)."""
+        mapping = self.allocator.full_to_swa_index_mapping
+        values = [mapping[n.value].to(torch.int64) for n in self._nodes() if not n.swa_tombstone]
+        return torch.cat(values) if values else self._empty()
+
     def cached_paths(self) -> list[CachedPath]:
         """One `CachedPath` per leaf, in depth-first order."""
         paths = []

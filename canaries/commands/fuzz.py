@@ -1,0 +1,88 @@
+"""`canary fuzz`: generated scenarios judged without expectations; findings shrunk and kept.
+
+    canary fuzz [--budget 10m | --count N] [--seed S] [--jobs N] [--report-dir DIR]
+    canary fuzz --replay FILE...
+
+Exits 0 when the campaign found nothing, 1 when it found something (each finding is a scenario
+file under `<report-dir>/findings/`), 2 on a usage error, 130 when interrupted (findings so far
+are kept). `--replay` reruns finding files under the same oracle: exit 1 if any still finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from canaries.commands.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
+
+__all__ = ["add_parser", "parse_budget", "run"]
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_budget(text: str) -> float:
+    """`90`, `90s`, `10m`, `2h` -> seconds (> 0)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"--budget {text!r}: expected a positive duration such as 90s, 10m or 2h")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    fuzz = sub.add_parser("fuzz", help="run generated scenarios; find blind spots and false alarms")
+    fuzz.add_argument("--budget", metavar="DURATION", help="how long to generate: 90s, 10m, 2h")
+    fuzz.add_argument("--count", type=int, metavar="N", help="run exactly N generated scenarios")
+    fuzz.add_argument("--seed", type=int, default=0, help="the campaign's seed (default 0)")
+    fuzz.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
+    fuzz.add_argument("--report-dir", metavar="DIR", help="default: reports/fuzz-<run-id>/")
+    fuzz.add_argument("--runtime", default="local", help="local (default) | docker")
+    fuzz.add_argument("--shrink-steps", type=int, default=16, metavar="N",
+                      help="runs to spend shrinking each new finding (0: do not shrink)")
+    fuzz.add_argument("--keep-runs", action="store_true",
+                      help="keep every run's directory (default: only those of findings)")
+    fuzz.add_argument("--replay", nargs="+", metavar="FILE",
+                      help="rerun these scenario files (findings) under the fuzzer's oracle")
+    fuzz.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from canaries.runner import default_report_dir, new_run_id
+
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: must be at least 1")
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count {args.count}: must be at least 1")
+    if args.shrink_steps < 0:
+        raise UsageError(f"--shrink-steps {args.shrink_steps}: must be at least 0")
+    report = Path(args.report_dir) if args.report_dir else default_report_dir(f"fuzz-{new_run_id()}")
+    if args.replay:
+        return _replay(args, report)
+    if args.budget is None and args.count is None:
+        raise UsageError("give --budget DURATION (e.g. 10m) or --count N")
+    from canaries.fuzz.campaign import fuzz
+
+    result = fuzz(args.seed, report, budget_s=parse_budget(args.budget) if args.budget else None,
+                  count=args.count, jobs=args.jobs, runtime=args.runtime,
+                  shrink_steps=args.shrink_steps, keep_runs=args.keep_runs)
+    print(f"report: {report / 'index.html'}")
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if result.findings else EXIT_OK
+
+
+def _replay(args: argparse.Namespace, report: Path) -> int:
+    from canaries.fuzz.campaign import replay
+    from canaries.scenario import ScenarioError
+
+    paths = [Path(p) for p in args.replay]
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"{path}: no such scenario file")
+    try:
+        judged = replay(paths, report, runtime=args.runtime)
+    except ScenarioError as exc:
+        raise UsageError(str(exc)) from None
+    for path, judgement in judged:
+        print(f"{path}: {judgement.outcome} ({judgement.signature}) {judgement.reason}")
+    return EXIT_FAILED if any(j.finding for _, j in judged) else EXIT_OK

@@ -1,0 +1,167 @@
+"""The fuzzer's oracle: judge a run without a hand-written expectation.
+
+A control (no perturbation) must be CLEAN: nothing fired, every request answered as planned,
+every answer equal to the no-cache oracle. A perturbed run, in order:
+
+1. the run told nothing (harness error) -> `inconclusive`; the engine raised -> finding
+   `engine_error`; a request hung past its deadline -> finding `hang`;
+2. an answer cut short behind an HTTP 200 (fewer tokens than asked, no finish) -> finding
+   `cut_short`, whatever fired;
+3. a detector fired before the first landing -> finding `false_alarm`;
+4. no perturbation landed -> `not_injected` (the generator's miss, not a finding; one that
+   never landed beside one that did changed nothing, so the run is judged on those that did);
+5. a detector fired after the landing -> `detected`;
+6. nothing fired, and every damaged location died unread -> `not_reached`;
+7. nothing fired, yet a planned request was not served -> finding `unserved`;
+8. nothing fired and the engine provably absorbed the damage -> `absorbed`: every idle ledger
+   balanced and the radix cache sane, no slot of either pool held by two owners at idle (the
+   engine's census: free list plus the radix cache's slots, each slot at most once), every
+   answer equal to the no-cache oracle. A two-owner slot during the run that both owners wrote
+   changes what one of them reads, so it shows as a wrong answer; one never written twice did
+   no harm. Anything else -> finding `blind_spot`, with what was wrong.
+
+A finding's signature names its class, the kinds, the fired detectors and, for a blind spot,
+the symptoms and which detectors were on, so that a campaign counts distinct findings, not runs,
+and shrinking keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FINDINGS", "Judgement", "judge_run"]
+
+# Outcomes that are findings; the others say what the run did.
+FINDINGS = frozenset({"false_alarm", "control_failed", "engine_error", "hang", "cut_short",
+                      "unserved", "blind_spot"})
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """outcome: see the module docstring; finding: whether it is one; signature: what groups it
+    with the same finding elsewhere; reason: one line for people."""
+
+    outcome: str
+    signature: str
+    reason: str
+
+    @property
+    def finding(self) -> bool:
+        return self.outcome in FINDINGS
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "finding": self.finding}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kinds(scenario: Any) -> str:
+    return "+".join(sorted({p.kind for p in scenario.perturbations})) or "control"
+
+
+def _cut_short(responses: list[dict]) -> list[str]:
+    """200 answers with fewer tokens than asked (an engine answer cut short behind a 200)."""
+    return [r["rid"] for r in responses
+            if r.get("status") == 200 and r.get("output_ids") is not None
+            and len(r["output_ids"]) != r.get("max_new_tokens")]
+
+
+def _unserved(responses: list[dict]) -> list[str]:
+    return [r["rid"] for r in responses if r.get("expect_status", 200) == 200
+            and (r.get("status") != 200 or r.get("error"))]
+
+
+def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: Any) -> list[str]:
+    """What is wrong with a run nothing detected (empty: the engine absorbed the damage)."""
+    from canaries.driver import make_plan
+    from canaries.runner import oracle_mismatches
+
+    idle = [e for e in events if e.get("kind") == "idle_check"]
+    if not idle:
+        return ["no idle check"]
+    last = idle[-1]
+    out = [f"ledger:{name}" for name, ledger in sorted((last.get("ledgers") or {}).items())
+           if ledger.get("delta")]
+    if last.get("radix_problems"):
+        out.append("radix")
+    census = last.get("census")
+    if census is None:
+        out.append("census:unknown")
+    else:
+        out += [f"held_twice:{k.split('_')[0]}" for k, v in sorted(census.items()) if v]
+    if scenario.workload.temperature == 0:
+        start = next((e for e in events if e.get("kind") == "engine_start"), {})
+        config = start.get("config") or dict(record.engine)
+        plan = make_plan(scenario.workload, scenario.seed)
+        if oracle_mismatches(config, plan, responses):
+            out.append("answers")
+    return out
+
+
+def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
+    """Judge the run of `scenario` that left `record` (its VerdictRecord) and `run_dir`."""
+    run_dir = Path(run_dir)
+    events = _read_jsonl(run_dir / "events.jsonl")
+    responses = _read_jsonl(run_dir / "responses.jsonl")
+    kinds = _kinds(scenario)
+    fired = sorted({f["detector"] for f in record.firings})
+    fired_txt = ",".join(fired) or "-"
+
+    def judged(outcome: str, reason: str, *extra: str) -> Judgement:
+        return Judgement(outcome, "|".join((outcome, kinds, fired_txt, *extra)), reason)
+
+    crash = record.extra.get("crash") or {}
+    if crash.get("cause") == "error":
+        return judged("engine_error", f"the engine raised: {crash.get('error', '')}"[:300],
+                      str(crash.get("error", "")).split(":")[0][:60])
+    if "harness error" in record.reason:
+        return Judgement("inconclusive", "inconclusive", record.reason[:300])
+    hung = [r["rid"] for r in responses if "Timeout" in str(r.get("error")) or "deadline" in str(r.get("error"))]
+    if hung or "timed out" in record.reason:
+        return judged("hang", f"request(s) {', '.join(hung[:5]) or '?'} hung: {record.reason[:200]}")
+    short = _cut_short(responses)
+    if short:
+        return judged("cut_short", f"HTTP 200 with fewer tokens than asked: {', '.join(short[:5])}")
+    if not scenario.perturbations:
+        if record.verdict == "CLEAN":
+            return judged("clean", record.reason)
+        outcome = "false_alarm" if record.verdict == "FALSE_ALARM" else "control_failed"
+        return judged(outcome, record.reason[:300], *(() if record.verdict == "FALSE_ALARM"
+                                                      else (record.reason.split(":")[0][:60],)))
+    landed = [e for e in events if e.get("kind") == "perturbation_landed"]
+    first = min((e.get("step") or 0 for e in landed), default=None)
+    early = sorted({f["detector"] for f in record.firings if first is None or f["step"] < first})
+    if early and first is not None:
+        return judged("false_alarm", f"{', '.join(early)} fired before the first landing (step {first})")
+    if not landed:
+        return judged("not_injected", record.reason[:300])
+    if fired:
+        return judged("detected", record.reason[:300])
+    consumed = [e for e in events if e.get("kind") == "perturbation_consumed"]
+    died = [e for e in events if e.get("kind") == "perturbation_died"]
+    if died and not consumed:
+        return judged("not_reached", "every damaged location died unread")
+    unserved = _unserved(responses)
+    if unserved:
+        return judged("unserved", f"nothing fired, yet {', '.join(unserved[:5])} not served as planned",
+                      _levels(scenario))
+    symptoms = _symptoms(scenario, events, responses, record)
+    if not symptoms:
+        return judged("absorbed", "nothing fired; ledgers balanced, no slot held twice, answers "
+                                  "equal to the no-cache oracle")
+    return judged("blind_spot", f"damage read, nothing fired, and: {', '.join(symptoms)}",
+                  ",".join(symptoms), _levels(scenario))
+
+
+def _levels(scenario: Any) -> str:
+    e = scenario.engine
+    return (f"inv={e.invariant_check},canary={e.kv_canary},page={'1' if e.page_size == 1 else '>1'},"
+            f"radix={'on' if e.radix_cache else 'off'}")
