@@ -647,6 +647,13 @@ class Scheduler:
         keep = max(self.window, page) if self.tree_cache is not None else self.window
         for req in reqs:
             decode_batch_idx = len(req.output_ids) - 1
+            if (not chunk_boundary and req.lock is not None and not req.lock.swa_released
+                    and decode_batch_idx >= self.window):
+                # Past the window the request no longer reads its prefix's SWA KV: the tree
+                # lock's SWA part goes back (SGLang's release_swa_prefix_lock), else a prefix the
+                # request cached chunk by chunk, or hit, stays locked beside the request's own
+                # window until it finishes, more SWA than admission reserved for it.
+                self.tree_cache.dec_swa_lock_only(req.lock)
             if not chunk_boundary and (decode_batch_idx < 1 or (decode_batch_idx - 1) % interval):
                 continue
             frontier = req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, req.cache_protected_len)

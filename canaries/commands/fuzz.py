@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="keep every run's directory (default: only those of findings)")
     fuzz.add_argument("--replay", nargs="+", metavar="FILE",
                       help="rerun these scenario files (findings) under the fuzzer's oracle")
+    fuzz.add_argument("--mutants", action="store_true",
+                      help="measure the fuzzer: the regression catalogue's mutants against the "
+                           "seed's generated scenarios (--budget per mutant, default 60s)")
+    fuzz.add_argument("-k", dest="k", metavar="EXPR", help="with --mutants: select mutants by name")
     fuzz.set_defaults(func=run)
 
 
@@ -58,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"fuzz-{new_run_id()}")
     if args.replay:
         return _replay(args, report)
+    if args.mutants:
+        return _mutants(args, report)
     if args.budget is None and args.count is None:
         raise UsageError("give --budget DURATION (e.g. 10m) or --count N")
     from canaries.fuzz.campaign import fuzz
@@ -86,3 +92,26 @@ def _replay(args: argparse.Namespace, report: Path) -> int:
     for path, judgement in judged:
         print(f"{path}: {judgement.outcome} ({judgement.signature}) {judgement.reason}")
     return EXIT_FAILED if any(j.finding for _, j in judged) else EXIT_OK
+
+
+def _mutants(args: argparse.Namespace, report: Path) -> int:
+    from canaries.commands.run import match_k
+    from canaries.fuzz.kill import fuzz_mutants
+    from canaries.regressions import catalogue
+
+    mutants = [m for m in sorted(catalogue().values(), key=lambda m: m.name)
+               if not args.k or match_k(args.k, m.name)]
+    if not mutants:
+        raise UsageError(f"-k {args.k!r}: no catalogue entry matches")
+    budget = parse_budget(args.budget) if args.budget else 60.0
+    results = fuzz_mutants(mutants, args.seed, report, budget_s=budget, jobs=args.jobs,
+                           runtime=args.runtime)
+    counted = [r for r in results if r.status in ("killed", "survived")]
+    killed = sum(r.status == "killed" for r in counted)
+    print(f"fuzzer kill rate (seed {args.seed}, {budget:.0f}s per mutant, {args.jobs} job(s)): "
+          f"{killed}/{len(counted)} non-equivalent mutants killed")
+    for r in counted:
+        if r.status == "survived":
+            print(f"  survived: {r.mutant} ({r.scenarios_run} scenario(s))")
+    print(f"report: {report / 'fuzz_mutants.jsonl'}")
+    return EXIT_OK if killed == len(counted) else EXIT_FAILED

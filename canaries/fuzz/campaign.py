@@ -197,7 +197,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
             result.interrupted = latch.tripped
             _write_reports(result)
             if not latch.tripped:
-                _shrink_all(result, sources, seed, runtime, shrink_steps, latch, say)
+                _shrink_all(result, sources, seed, runtime, shrink_steps, latch, say, engine_root)
         finally:
             log.close()
             close_fork_server(engine_root=engine_root)
@@ -212,7 +212,8 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
 
 
 def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, runtime: str,
-                shrink_steps: int, latch: Any, say: Callable[[str], None]) -> None:
+                shrink_steps: int, latch: Any, say: Callable[[str], None],
+                engine_root: str | Path | None) -> None:
     from canaries.scenario import ScenarioError
     from canaries.triage.shrink import shrink
 
@@ -224,7 +225,8 @@ def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, runtime
         try:
             shrunk = shrink(sources[signature], Path(finding.path), runtime=runtime, work_dir=work,
                             max_steps=shrink_steps, target_of=_oracle_target,
-                            name=finding.slug, header=_header(finding, seed))
+                            name=finding.slug, header=_header(finding, seed),
+                            engine_root=engine_root)
         except (ScenarioError, OSError, RuntimeError) as exc:
             say(f"  shrink failed: {exc}")
             continue

@@ -71,6 +71,7 @@ class LockHandle:
     node: TreeNode
     swa_locked_tokens: int
     released: bool = False
+    swa_released: bool = False  # `dec_swa_lock_only` gave the SWA part back early
 
 
 @dataclass(frozen=True)
@@ -229,13 +230,30 @@ class SWARadixCache:
         if handle.released:
             raise RuntimeError(f"lock on node {handle.node.id} released twice")
         handle.released = True
-        swa_left = handle.swa_locked_tokens
+        swa_left = 0 if handle.swa_released else handle.swa_locked_tokens
         for n in self._up(handle.node):
             n.full_lock_ref -= 1
             if swa_left > 0:
                 n.swa_lock_ref -= 1
                 swa_left -= len(n.key)
         assert swa_left == 0, "the SWA-locked range changed length while locked"
+
+    def dec_swa_lock_only(self, handle: LockHandle) -> None:
+        """Give back the SWA part of `handle`'s lock early, keeping the full part (SGLang's
+        `dec_swa_lock_only`, which its scheduler calls once a request has decoded a window past
+        its prefix): the prefix's SWA KV turns evictable, and the tree's SWA eviction may
+        tombstone it, where SGLang tombstones a leaf at once. `dec_lock_ref` then releases the
+        full part only."""
+        if handle.released or handle.swa_released:
+            raise RuntimeError(f"SWA lock on node {handle.node.id} released twice")
+        handle.swa_released = True
+        swa_left = handle.swa_locked_tokens
+        for n in self._up(handle.node):
+            if swa_left <= 0:
+                break
+            n.swa_lock_ref -= 1
+            swa_left -= len(n.key)
+        assert swa_left <= 0, "the SWA-locked range changed length while locked"
 
     # ---- insert --------------------------------------------------------------------------------
 

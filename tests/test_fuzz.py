@@ -1,0 +1,147 @@
+"""`canary fuzz`: the generator emits valid scenarios over the whole space, the oracle judges
+planted cases right, and a campaign keeps and shrinks what it finds."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from canaries.cli import main
+from canaries.fuzz.generate import Draw, generate, scenario_for, write_scenario
+from canaries.fuzz.oracle import judge_run
+from canaries.regressions import catalogue, materialize
+from canaries.runner import run_scenario
+from canaries.scenario import SCENARIO_DIR, load_scenario
+from canaries.triage.shrink import shrink
+from engine_stub.perturb.kinds import KINDS
+from engine_stub.perturb.spec import TRIGGER
+
+DRAWS = [Draw(seed, index) for seed in range(4) for index in range(100)]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> list[tuple[dict, object]]:
+    """400 first-attempt draws over four seeds, each written and loaded."""
+    directory = tmp_path_factory.mktemp("generated")
+    out = []
+    for draw in DRAWS:
+        doc = generate(draw)
+        out.append((doc, load_scenario(write_scenario(doc, directory / f"{draw.name}.yaml"))))
+    return out
+
+
+def test_generate_emits_only_scenarios_the_loader_accepts_without_warnings(generated) -> None:
+    warned = [(doc["name"], [str(w) for w in sc.warnings]) for doc, sc in generated if sc.warnings]
+    assert not warned
+
+
+def test_generate_gives_the_same_scenario_for_the_same_seed_and_index() -> None:
+    assert generate(Draw(7, 3)) == generate(Draw(7, 3))
+    assert generate(Draw(7, 3)) != generate(Draw(8, 3))
+
+
+def test_generate_covers_the_scenario_space(generated) -> None:
+    engines = [sc.engine for _, sc in generated]
+    pages = {e.page_size for e in engines}
+    windows = {e.window for e in engines}
+    assert {1, 3, 5, 32} <= pages and any(p & (p - 1) for p in pages)  # non-powers of two
+    assert 1 in windows and any(w % p for w, p in ((e.window, e.page_size) for e in engines))
+    assert {e.radix_cache for e in engines} == {True, False}
+    assert {e.invariant_check for e in engines} == {"off", "warn", "strict"}
+    assert {e.kv_canary for e in engines} == {"off", "log", "raise"}
+    assert {-1, 0} <= {e.chunked_prefill_size for e in engines}
+    assert any(e.chunked_prefill_size > 0 for e in engines)
+    # The smallest SWA pool the engine accepts is drawn.
+    assert any(e.swa_pool_tokens == e.swa_headroom + e.page_size for e in engines)
+    kinds = Counter(p.kind for _, sc in generated for p in sc.perturbations)
+    assert set(kinds) == set(KINDS)
+    events = {p.trigger.event for _, sc in generated for p in sc.perturbations}
+    assert set(TRIGGER["event"].type.choices) <= events
+    assert any(not sc.perturbations for _, sc in generated)  # controls
+    assert any(len(sc.perturbations) > 1 for _, sc in generated)
+    extras = [x for _, sc in generated for x in sc.workload.extra_requests]
+    assert any(x.with_answer for x in extras) and any(x.keep_tokens for x in extras)
+    assert any(sc.workload.shared_prefix_tokens for _, sc in generated)
+
+
+def test_scenario_for_writes_a_file_a_person_can_rerun(tmp_path) -> None:
+    scenario, draw = scenario_for(3, 11, tmp_path)
+    assert Path(scenario.path) == tmp_path / f"{draw.name}.yaml"
+    assert load_scenario(scenario.path).name == draw.name
+    assert yaml.safe_load(Path(scenario.path).read_text())["expect"]
+
+
+def _library(name: str):
+    return load_scenario(SCENARIO_DIR / f"{name}.yaml")
+
+
+def test_oracle_judges_a_control_clean_and_a_caught_perturbation_detected(tmp_path) -> None:
+    control = _library("clean-page1-radix")
+    record = run_scenario(control, tmp_path / "control")
+    assert judge_run(control, record, tmp_path / "control").outcome == "clean"
+    perturbed = _library("skip-free-swa-radix")
+    record = run_scenario(perturbed, tmp_path / "perturbed")
+    judgement = judge_run(perturbed, record, tmp_path / "perturbed")
+    assert judgement.outcome == "detected" and not judgement.finding
+
+
+@pytest.fixture(scope="module")
+def blinded(tmp_path_factory) -> Path:
+    """An engine whose SWA idle ledger and radix sanity check are computed but never fail
+    (disabled detectors: the two that see skip-free-swa-radix's leak)."""
+    root = tmp_path_factory.mktemp("blinded")
+    entries = catalogue()
+    materialize(root, [entries["ledgers.swa-never-fails"], entries["ledgers.radix-sanity-ignored"]])
+    return root
+
+
+def test_oracle_finds_the_blind_spot_a_disabled_detector_leaves(tmp_path, blinded) -> None:
+    scenario = _library("skip-free-swa-radix")
+    record = run_scenario(scenario, tmp_path / "run", engine_root=blinded)
+    judgement = judge_run(scenario, record, tmp_path / "run")
+    assert judgement.outcome == "blind_spot" and judgement.finding
+    assert "ledger:swa" in judgement.signature
+
+
+def test_shrink_keeps_the_blind_spot_and_makes_it_smaller(tmp_path, blinded) -> None:
+    from canaries.fuzz.campaign import _oracle_target
+
+    out = tmp_path / "shrunk.yaml"
+    result = shrink(SCENARIO_DIR / "skip-free-swa-radix.yaml", out, work_dir=tmp_path / "work",
+                    max_steps=8, target_of=_oracle_target, engine_root=blinded)
+    assert result.target[0] == "blind_spot"
+    assert result.size_after < result.size_before
+    shrunk = load_scenario(out)
+    record = run_scenario(shrunk, tmp_path / "again", engine_root=blinded)
+    assert judge_run(shrunk, record, tmp_path / "again").signature == result.target[1]
+
+
+def test_fuzz_campaign_writes_findings_and_a_report(tmp_path) -> None:
+    report = tmp_path / "report"
+    code = main(["fuzz", "--count", "4", "--seed", "5", "--report-dir", str(report),
+                 "--shrink-steps", "0"])
+    lines = [json.loads(line) for line in (report / "fuzz.jsonl").read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2, 3]
+    summary = json.loads((report / "findings.json").read_text())
+    assert summary["runs"] == 4
+    assert code == (1 if summary["findings"] else 0)
+    assert (report / "index.html").read_text().startswith("<!doctype html>")
+    for finding in summary["findings"]:
+        text = Path(finding["path"]).read_text()
+        assert text.startswith("# canary fuzz finding:") and "repro: canary fuzz --replay" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz"], "--budget"),
+    (["fuzz", "--budget", "soon"], "--budget 'soon'"),
+    (["fuzz", "--count", "0"], "--count 0"),
+    (["fuzz", "--count", "1", "--jobs", "0"], "--jobs 0"),
+    (["fuzz", "--replay", "no/such.yaml"], "no/such.yaml"),
+])
+def test_fuzz_with_bad_arguments_exits_2_naming_the_parameter(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
