@@ -13,7 +13,11 @@ generated prompts (and a scenario's trace up to it) unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["FollowUp", "Planned", "drive", "make_plan", "prompt_range", "rid_of"]
 
 TOKEN_LO, TOKEN_HI = 32, 126  # printable ASCII, inclusive
+CLIENT_GONE_STATUS = 499  # what a client that hung up records (the engine's own code for it)
 SALT_TOKENS = 2  # how many tokens of each prompt `unique_prompts` overwrites with its index
 
 
@@ -76,6 +81,7 @@ class Planned:
     status: int = 200
     follow_up: FollowUp | None = None
     min_cached_tokens: int | None = None
+    hang_up_after: int | None = None
 
 
 def make_plan(workload: Workload, seed: int) -> list[Planned]:
@@ -100,7 +106,7 @@ def make_plan(workload: Workload, seed: int) -> list[Planned]:
                 prompt = list(base.prompt[:extra.keep_tokens])
         plan.append(Planned(rid_of(len(plan)), prompt + appended,
                             extra.max_new_tokens or workload.max_new_tokens, extra.status, follow_up,
-                            extra.min_cached_tokens))
+                            extra.min_cached_tokens, extra.hang_up_after_tokens))
     return plan
 
 
@@ -141,6 +147,11 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
         return record
     body = {"input_ids": prompt, "rid": rid,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+    if planned.hang_up_after is not None:
+        record["expect_status"] = CLIENT_GONE_STATUS
+        hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining)
+        record["latency_s"] = round(time.monotonic() - start, 4)
+        return record
     try:
         resp = session_factory().post(f"{base_url}/generate", json=body,
                                       timeout=(min(5.0, remaining), remaining))
@@ -159,6 +170,49 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
         record["error"] = f"{type(exc).__name__}: {exc}"[:500]
     record["latency_s"] = round(time.monotonic() - start, 4)
     return record
+
+
+def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, after_tokens: int,
+            remaining: float) -> None:
+    """Send `body` and hang up once the engine has `after_tokens` of its answer: tell the gate,
+    send on a connection of our own, wait until the engine pauses for us, then close it. The
+    record gets status 499 (the client's own: it left) and `hung_up`; if the engine answered
+    first (it finished or crashed), the record holds that answer instead."""
+    from urllib.parse import urlsplit
+
+    rid = record["rid"]
+    try:
+        session.post(f"{base_url}/gate/hang_up", json={"rid": rid, "after_tokens": after_tokens},
+                     timeout=5.0).raise_for_status()
+    except requests.RequestException as exc:
+        record["error"] = f"hang-up not planned: {type(exc).__name__}: {exc}"[:500]
+        return
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=remaining)
+    try:
+        payload = json.dumps(body).encode()
+        conn.request("POST", "/generate", body=payload, headers={"Content-Type": "application/json"})
+        ready = session.post(f"{base_url}/gate/hang_up/wait",
+                             json={"rid": rid, "timeout_s": float(max(1.0, min(remaining, 600.0)))},
+                             timeout=remaining + 5.0).json().get("ready")
+        if ready:
+            record.update(status=CLIENT_GONE_STATUS, hung_up=True)
+            return
+        resp = conn.getresponse()  # the engine answered before the hang-up (finished, crashed)
+        record["status"] = resp.status
+        answer = json.loads(resp.read() or b"{}")
+        if resp.status == 200:
+            record["output_ids"] = answer.get("output_ids")
+            record["meta_info"] = answer.get("meta_info")
+        else:
+            record["error"] = str((answer.get("error") or {}).get("message") or answer)[:500]
+    except (OSError, ValueError, http.client.HTTPException, requests.RequestException) as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        with contextlib.suppress(OSError):
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
 
 
 def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) -> None:

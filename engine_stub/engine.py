@@ -101,6 +101,10 @@ class Engine:
         # before it sends it (a follow-up turn). Cleared when the rid arrives.
         self._holds: dict[str, str] = {}
         self._answered: set[str] = set()
+        # Planned client hang-ups (harness only): rid -> output tokens after which the engine
+        # pauses until that client has gone; `_hung_up_ready` holds the rids paused for.
+        self._hang_ups: dict[str, int] = {}
+        self._hang_up_ready: set[str] = set()
         self.events.write("engine_start", config=config.knobs(),
                           config_sources=dict(config.sources), torch=torch.__version__,
                           device=str(self.scheduler.device), pid=os.getpid())
@@ -151,10 +155,56 @@ class Engine:
                 self._holds[rid] = waits_for
                 self._cond.notify_all()
 
+    def hang_up_at(self, rid: str, after_tokens: int) -> None:
+        """Lockstep gate: the driver's client for `rid` will hang up once `rid` has
+        `after_tokens` output tokens. The engine pauses before the step after that until the
+        disconnect has aborted `rid`, so the abort lands at the same step on every run."""
+        with self._cond:
+            self._hang_ups[rid] = after_tokens
+            self._cond.notify_all()
+
+    def wait_hang_up(self, rid: str, timeout_s: float) -> bool:
+        """Block until the engine pauses for `rid`'s hang-up (True), or `rid` finished first,
+        the engine crashed or stopped, or the timeout passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while rid not in self._hang_up_ready:
+                if self.crash is not None or self._stopping or rid in self._answered \
+                        or time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(0.01)
+            return True
+
+    def _pause_for_hang_ups(self) -> None:
+        """Before a step: for each planned hang-up whose request has its tokens, wait (up to the
+        gate timeout) until its client has gone (`abort`)."""
+        with self._cond:
+            due = [rid for rid, n in self._hang_ups.items()
+                   if (req := self._pending.get(rid)) is not None and len(req.output_ids) >= n]
+            if not due:
+                return
+            deadline = time.monotonic() + self.config.gate_timeout_s
+            for rid in due:
+                del self._hang_ups[rid]
+                self._hang_up_ready.add(rid)
+                self._cond.notify_all()
+                req = self._pending.get(rid)
+                while req is not None and not req.abort_requested and not self._stopping:
+                    if time.monotonic() >= deadline:
+                        self.events.write("gate_timeout", received=self.received, completed=self.completed,
+                                          hang_up=rid)
+                        break
+                    self._cond.wait(0.01)
+
     def _in_flight(self) -> int:
-        """Requests the driver has in flight, as the gate counts them (under `_cond`)."""
+        """Requests the driver has in flight, as the gate counts them (under `_cond`). A request
+        whose client hung up is no longer in flight for the driver (its worker moved on)."""
         held = sum(1 for waits_for in self._holds.values() if waits_for not in self._answered)
-        return self.received - self.completed + held
+        return self.received - self.completed - self._hung_up() + held
+
+    def _hung_up(self) -> int:
+        """Requests aborted by their client and not yet finished (under `_cond`)."""
+        return sum(1 for r in self._pending.values() if r.abort_requested and not r.finished)
 
     def abort(self, rid: str) -> bool:
         """Give up on request `rid` (its client went away): it is finished with finish_reason
@@ -232,6 +282,7 @@ class Engine:
                             self._cond.wait(0.01)
                             continue
                 if self.scheduler.has_work:
+                    self._pause_for_hang_ups()
                     self._wait_for_gate()
                     with self.step_lock:
                         self.scheduler.step()
@@ -306,7 +357,8 @@ class Engine:
         deadline = time.monotonic() + cfg.gate_timeout_s
         with self._cond:
             while True:
-                want = min(cfg.gate_concurrency or cfg.gate_requests, cfg.gate_requests - self.completed)
+                owed = cfg.gate_requests - self.completed - self._hung_up()
+                want = min(cfg.gate_concurrency or cfg.gate_requests, owed)
                 if self._in_flight() >= want or self._stopping:
                     break
                 if time.monotonic() >= deadline:

@@ -66,7 +66,7 @@ class IdleChecker:
         """Slots of each pool held by more than one owner at idle: the free list (pages
         expanded to slots) and the radix cache (its FULL slots; its live nodes' SWA peers) are
         the only owners an idle engine has, so each slot must appear at most once among them.
-        None where the allocator is not ours (the sglang backend keeps its own free lists).
+        None where the allocator has no sub-allocators to read.
         Data for the fuzzer's oracle, not an invariant: the ledgers and radix sanity judge."""
         alloc = self.scheduler.allocator
         sides = (getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None))
@@ -79,7 +79,10 @@ class IdleChecker:
             ("full", sides[0], tree.held_slots() if tree else empty),
             ("swa", sides[1], tree.held_swa_slots() if tree else empty),
         ):
-            pages = torch.cat([side.free_pages, *side.release_pages]).to(torch.int64).cpu()
+            # SGLang's allocators (the sglang backend) keep the same two lists, the staged one
+            # None when unused; page ids on pages, slot ids on page_size 1, as ours.
+            staged = getattr(side, "release_pages", None) or []
+            pages = torch.cat([side.free_pages, *staged]).to(torch.int64).cpu()
             page = side.page_size
             free = (pages[:, None] * page + torch.arange(page)).reshape(-1)
             slots = torch.cat([free, held.to(torch.int64).cpu()])

@@ -232,6 +232,20 @@ class GateHold(_Body):
     waits_for: Annotated[Text, Field(min_length=1, max_length=128)]
 
 
+class GateHangUp(_Body):
+    """The harness's client for `rid` hangs up once `rid` has `after_tokens` output tokens."""
+
+    rid: Annotated[Text, Field(min_length=1, max_length=128)]
+    after_tokens: Annotated[int, Field(ge=1)]
+
+
+class GateHangUpWait(_Body):
+    """Wait until the engine pauses for `rid`'s planned hang-up."""
+
+    rid: Annotated[Text, Field(min_length=1, max_length=128)]
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 
@@ -471,6 +485,20 @@ def create_app(engine: Engine) -> FastAPI:
     async def gate_hold(body: GateHold) -> None:
         """Lockstep gate (harness only): count `rid` as in flight until `waits_for` is answered."""
         engine.hold(body.rid, body.waits_for)
+
+    @app.post("/gate/hang_up", status_code=204, responses=bad_request)
+    async def gate_hang_up(body: GateHangUp) -> None:
+        """Lockstep gate (harness only): pause once `rid` has `after_tokens` tokens, until its
+        client has hung up."""
+        engine.hang_up_at(body.rid, body.after_tokens)
+
+    @app.post("/gate/hang_up/wait", response_model=dict[str, bool], responses=bad_request)
+    async def gate_hang_up_wait(body: GateHangUpWait) -> Any:
+        """Lockstep gate (harness only): `{"ready": true}` once the engine waits for `rid`'s
+        client to hang up; false if `rid` finished first or the engine stopped."""
+        ready = await asyncio.get_running_loop().run_in_executor(
+            None, engine.wait_hang_up, body.rid, body.timeout_s)
+        return {"ready": ready}
 
     @app.get("/state", response_model=dict[str, Any])
     async def state() -> Any:

@@ -12,7 +12,8 @@ The space: page sizes 1 to 32 (non-powers of two too), windows 1 to 64 (1, a pag
 values not a multiple of the page), SWA pools from the smallest admission accepts to roomy, full
 pools from the workload's footprint to roomy, radix on and off, every invariant level, canary
 modes and sweep intervals, chunked prefill auto/off/a size; workloads of 1 to 8 requests with
-shared prefixes and follow-ups (an earlier prompt cut, extended, or followed by its answer); and
+shared prefixes and follow-ups (an earlier prompt cut, extended, or followed by its answer) and
+client hang-ups mid-decode; and
 0 to 3 perturbations of every kind with every trigger and target form.
 """
 
@@ -88,29 +89,42 @@ def _workload(rng: random.Random, page: int, window: int) -> dict:
         workload["shared_prefix_tokens"] = rng.randint(1, shortest - 1)
     if rng.random() < 0.3:
         workload["unique_prompts"] = False
-    extras = []
+    extras: list[dict] = []
+    hung_up: set[int] = set()  # requests whose client hangs up: no answer to follow
     for _ in range(_pick(rng, {0: 5, 1: 3, 2: 2})):
-        extra: dict[str, Any] = {"prompt_of": rng.randrange(requests)}
-        if rng.random() < 0.5:
+        extra: dict[str, Any] = {"prompt_of": rng.randrange(requests + len(extras))}
+        if rng.random() < 0.5 and extra["prompt_of"] not in hung_up:
             extra["with_answer"] = True
-        if rng.random() < 0.4:
+        if rng.random() < 0.4 and extra["prompt_of"] < requests:  # an extra's own length varies
             extra["keep_tokens"] = rng.randint(1, shortest)
         if rng.random() < 0.6:
             extra["append_tokens"] = rng.randint(1, 24)
+        if max_new > 1 and rng.random() < 0.3:
+            extra["hang_up_after_tokens"] = rng.randint(1, max_new - 1)
+            hung_up.add(requests + len(extras))
         extras.append(extra)
-    if extras:
+    while extras:
         workload["extra_requests"] = extras
+        if _longest_prompt(workload) + max_new <= MAX_CONTEXT:
+            break
+        extras.pop()  # follow-ups of follow-ups outgrew the context
+    else:
+        workload.pop("extra_requests", None)
     return workload
 
 
 def _longest_prompt(workload: dict) -> int:
-    """The longest prompt the plan can send (a follow-up adds its source's answer and more)."""
+    """The longest prompt the plan can send: a follow-up is its source's prompt (cut to
+    keep_tokens), plus the source's answer with `with_answer`, plus its appended tokens."""
     prompt = workload["prompt_tokens"]
     longest = max(prompt) if isinstance(prompt, list) else prompt
-    longest = max(longest, workload.get("shared_prefix_tokens", 0) + 1)
-    extra = max((workload["max_new_tokens"] * bool(x.get("with_answer")) + x.get("append_tokens", 0)
-                 for x in workload.get("extra_requests", ())), default=0)
-    return longest + extra
+    lengths = [max(longest, workload.get("shared_prefix_tokens", 0) + 1)] * workload["requests"]
+    for extra in workload.get("extra_requests", ()):
+        length = lengths[extra["prompt_of"]] + workload["max_new_tokens"] * bool(extra.get("with_answer"))
+        if "keep_tokens" in extra:
+            length = min(length, extra["keep_tokens"])
+        lengths.append(length + extra.get("append_tokens", 0))
+    return max(lengths)
 
 
 def _engine(rng: random.Random, page: int, window: int, workload: dict) -> dict:

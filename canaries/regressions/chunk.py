@@ -39,3 +39,12 @@ regression(
            "position keeps a stale entry and the rest point one place off",
     caught_by=("clean-chunked-page1-noradix", "clean-chunked-page1-radix"),
 )
+regression(
+    name="chunk.prefix-swa-lock-held-to-finish", area="chunk", file=SCHED,
+    old="                self.tree_cache.dec_swa_lock_only(req.lock)\n",
+    new="                pass\n",
+    models="the SWA part of a request's tree lock is held until it finishes: a prompt cached chunk "
+           "by chunk keeps its last window locked beside the request's own window, and a small SWA "
+           "pool stalls mid-decode on a healthy engine (a canary fuzz finding)",
+    caught_by=("clean-chunked-prefix-lock-release",),
+)

@@ -60,3 +60,12 @@ regression(
            "survivor, promoted)",
     caught_by=("leak-every-row-warn",),
 )
+regression(
+    name="finish.client-abort-drops-running", area="finish", file=SCHED,
+    old='                    req.finish_reason = "abort"\n                    self._finish(req)\n',
+    new='                    req.finish_reason = "abort"\n                    self.running.remove(req)\n',
+    models="a running request whose client hung up is dropped from the batch without being "
+           "finished: its KV, its row and its answer are never released (reached only by a "
+           "client hang-up mid-decode)",
+    caught_by=("clean-hang-up-radix", "clean-hang-up-page16-noradix"),
+)

@@ -216,6 +216,9 @@ EXTRA_REQUEST = Table((
     Field("min_cached_tokens", Int(minimum=1), None,
           "in a control: the radix cache must serve at least this many of its prompt tokens "
           "(a cache that silently stops hitting is a regression too)"),
+    Field("hang_up_after_tokens", Int(minimum=1), None,
+          "the client hangs up once the request has this many output tokens (below its "
+          "max_new_tokens): the engine aborts it at the next step, the same step on every run"),
 ))
 
 WORKLOAD = Table((

@@ -193,7 +193,7 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
             if extra.with_answer:
                 if not answers[extra.prompt_of]:
                     doc.add(f"{where}.with_answer", f"request {extra.prompt_of} is planned to be "
-                                                    "refused: it has no answer to follow")
+                                                    "refused or hung up on: it has no answer to follow")
                     return (), ()
                 shortest += answers[extra.prompt_of]
                 longest += answers[extra.prompt_of]
@@ -224,7 +224,14 @@ def _extra_requests(doc: Doc, items: tuple[dict, ...], w: Workload,
                 return (), ()
         spans.append(span)
         max_new = extra.max_new_tokens or w.max_new_tokens
-        answers.append(max_new if extra.status == 200 else 0)
+        if extra.hang_up_after_tokens is not None and (
+                extra.status != 200 or extra.hang_up_after_tokens >= max_new):
+            doc.add(f"{where}.hang_up_after_tokens",
+                    f"needs a served request (status 200) and fewer tokens than its max_new_tokens "
+                    f"({max_new}), got {extra.hang_up_after_tokens}")
+            return (), ()
+        # A hung-up request has no answer for a follow-up to use.
+        answers.append(max_new if extra.status == 200 and extra.hang_up_after_tokens is None else 0)
         if engine is not None and extra.status == 200 and span[1] + max_new > engine.max_context_len:
             doc.add(where, f"a prompt of up to {span[1]} tokens + max_new_tokens ({max_new}) "
                            f"exceeds the engine's max_context_len={engine.max_context_len}; "

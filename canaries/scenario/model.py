@@ -75,7 +75,8 @@ class ExtraRequest:
     prompt of `prompt_tokens`, or request `prompt_of`'s prompt (followed by its answer with
     `with_answer`; its first `keep_tokens`), then `append_tokens` fresh tokens; `max_new_tokens`
     None means the workload's; `status` is the answer the engine must give, and
-    `min_cached_tokens` how many prompt tokens the radix cache must serve (judged in controls)."""
+    `min_cached_tokens` how many prompt tokens the radix cache must serve (judged in controls);
+    `hang_up_after_tokens`: its client hangs up after that many output tokens (never answered)."""
 
     prompt_tokens: int | None = None
     prompt_of: int | None = None
@@ -85,6 +86,7 @@ class ExtraRequest:
     max_new_tokens: int | None = None
     status: int = 200
     min_cached_tokens: int | None = None
+    hang_up_after_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt_tokens is None) == (self.prompt_of is None):
