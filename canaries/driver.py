@@ -140,6 +140,8 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
     if prompt is None:
         assert planned.follow_up is not None
         record["error"] = f"not sent: {rid_of(planned.follow_up.of)} has no answer to follow"
+        with contextlib.suppress(requests.RequestException):  # else the gate waits for it
+            session_factory().post(f"{base_url}/gate/skip", json={"rid": rid}, timeout=5.0)
         return record
     remaining = deadline - start
     if remaining <= 0:

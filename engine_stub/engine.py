@@ -103,6 +103,7 @@ class Engine:
         self._answered: set[str] = set()
         # Planned client hang-ups (harness only): rid -> output tokens after which the engine
         # pauses until that client has gone; `_hung_up_ready` holds the rids paused for.
+        self._skipped: set[str] = set()  # rids the driver will never send (gate/skip)
         self._hang_ups: dict[str, int] = {}
         self._hang_up_ready: set[str] = set()
         self.events.write("engine_start", config=config.knobs(),
@@ -153,6 +154,15 @@ class Engine:
         with self._cond:
             if self.config.gate_requests > 0 and rid not in self._pending and rid not in self._answered:
                 self._holds[rid] = waits_for
+                self._cond.notify_all()
+
+    def skip(self, rid: str) -> None:
+        """Lockstep gate: the driver will never send `rid` (a follow-up whose earlier request
+        has no answer to follow), so the gate stops counting it as owed."""
+        with self._cond:
+            if self.config.gate_requests > 0 and rid not in self._pending and rid not in self._answered:
+                self._holds.pop(rid, None)
+                self._skipped.add(rid)
                 self._cond.notify_all()
 
     def hang_up_at(self, rid: str, after_tokens: int) -> None:
@@ -337,7 +347,7 @@ class Engine:
         idle tick there (an `idle_check` event) would make the trace depend on HTTP timing.
         """
         cfg = self.config
-        if cfg.gate_requests <= 0 or self.completed >= cfg.gate_requests:
+        if cfg.gate_requests <= 0 or self.completed + len(self._skipped) >= cfg.gate_requests:
             return False
         if time.monotonic() < deadline:
             return True
@@ -357,7 +367,7 @@ class Engine:
         deadline = time.monotonic() + cfg.gate_timeout_s
         with self._cond:
             while True:
-                owed = cfg.gate_requests - self.completed - self._hung_up()
+                owed = cfg.gate_requests - self.completed - self._hung_up() - len(self._skipped)
                 want = min(cfg.gate_concurrency or cfg.gate_requests, owed)
                 if self._in_flight() >= want or self._stopping:
                     break

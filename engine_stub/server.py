@@ -232,6 +232,12 @@ class GateHold(_Body):
     waits_for: Annotated[Text, Field(min_length=1, max_length=128)]
 
 
+class GateSkip(_Body):
+    """The harness's driver will never send `rid`."""
+
+    rid: Annotated[Text, Field(min_length=1, max_length=128)]
+
+
 class GateHangUp(_Body):
     """The harness's client for `rid` hangs up once `rid` has `after_tokens` output tokens."""
 
@@ -485,6 +491,11 @@ def create_app(engine: Engine) -> FastAPI:
     async def gate_hold(body: GateHold) -> None:
         """Lockstep gate (harness only): count `rid` as in flight until `waits_for` is answered."""
         engine.hold(body.rid, body.waits_for)
+
+    @app.post("/gate/skip", status_code=204, responses=bad_request)
+    async def gate_skip(body: GateSkip) -> None:
+        """Lockstep gate (harness only): `rid` will never be sent; stop counting it as owed."""
+        engine.skip(body.rid)
 
     @app.post("/gate/hang_up", status_code=204, responses=bad_request)
     async def gate_hang_up(body: GateHangUp) -> None:

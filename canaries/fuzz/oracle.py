@@ -12,7 +12,10 @@ every answer equal to the no-cache oracle. A perturbed run, in order:
    never landed beside one that did changed nothing, so the run is judged on those that did);
 5. a detector fired after the landing -> `detected`;
 6. nothing fired, and every damaged location died unread -> `not_reached`;
-7. nothing fired, yet a planned request was not served -> finding `unserved`;
+7. nothing fired, and some kind that landed has every detector it is caught by switched off
+   in this engine (the KV canary off for content damage, invariants off) -> `disabled`, not a
+   finding: the scenario turned off what would see it;
+   nothing fired, yet a planned request was not served -> finding `unserved`;
 8. nothing fired and the engine provably absorbed the damage -> `absorbed`: every idle ledger
    balanced and the radix cache sane, no slot of either pool held by two owners at idle (the
    engine's census: free list plus the radix cache's slots, each slot at most once), every
@@ -31,6 +34,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from engine_stub.perturb.kinds import KINDS
 
 __all__ = ["FINDINGS", "Judgement", "judge_run"]
 
@@ -149,6 +154,14 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
     died = [e for e in events if e.get("kind") == "perturbation_died"]
     if died and not consumed:
         return judged("not_reached", "every damaged location died unread")
+    landed_kinds = sorted({scenario.perturbations[e["index"]].kind for e in landed
+                           if isinstance(e.get("index"), int) and e["index"] < len(scenario.perturbations)})
+    unseeable = [kind for kind in landed_kinds if not any(_enabled(d, scenario.engine)
+                                                          for d in KINDS[kind].caught_by)]
+    if unseeable:
+        return judged("disabled", f"nothing fired: every detector of {', '.join(unseeable)} is "
+                                  "off in this engine (the run shows what it costs: "
+                                  f"{', '.join(_symptoms(scenario, events, responses, record)) or 'nothing'})")
     unserved = _unserved(responses)
     if unserved:
         return judged("unserved", f"nothing fired, yet {', '.join(unserved[:5])} not served as planned",
@@ -159,6 +172,17 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
                                   "equal to the no-cache oracle")
     return judged("blind_spot", f"damage read, nothing fired, and: {', '.join(symptoms)}",
                   ",".join(symptoms), _levels(scenario))
+
+
+def _enabled(detector: str, engine: Any) -> bool:
+    """Whether `engine`'s knobs let `detector` fire: the KV canary's reasons need the canary
+    on; the idle checks always run (their switch picks WARN or STRICT); every other invariant
+    needs invariant_check above off."""
+    if detector.startswith("kv_canary."):
+        return engine.kv_canary != "off"
+    if detector.startswith("idle."):
+        return True
+    return engine.invariant_check != "off"
 
 
 def _levels(scenario: Any) -> str:

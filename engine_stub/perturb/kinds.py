@@ -293,7 +293,8 @@ def skip_free_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
     """Advance the window frontier without releasing the SWA peers (the free_swa is skipped).
     Without a radix cache, free_full at finish meets live peers: swa.peer_released; with one, the SWA ledger leaks."""
     hook = ctx.hook
-    if _site_target(ctx) is None:
+    # Nothing to skip: an earlier kind at this eviction kept every slot already.
+    if not hook.slots.numel() or _site_target(ctx) is None:
         return None
     # Owner counts: each slot had one owner until the eviction freed it (0); it keeps one.
     damage = _free_list_damage(hook, _ints(hook.slots), hook.frontier, "kept", 0, 1)
@@ -305,8 +306,8 @@ def never_evict_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
     """Keep every out-of-window SWA slot (the frontier never moves); use a large trigger.times.
     The SWA pool runs dry mid-decode: sched.decode_stall."""
     hook = ctx.hook
-    if _site_target(ctx) is None:
-        return None
+    if hook.new_frontier <= hook.frontier or _site_target(ctx) is None:
+        return None  # the frontier stands still already (an earlier kind at this eviction)
     damage = (Damage("frontier", request=hook.req.rid, before=hook.new_frontier,
                      after=hook.frontier),
               *_free_list_damage(hook, _ints(hook.slots), hook.frontier, "kept", 0, 1))
@@ -343,8 +344,8 @@ def double_free_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
     """Call free_swa a second time on the slots a window eviction just released.
     page_size 1: swa.peer_mapped (the mapping already reads 0)."""
     hook = ctx.hook
-    if _site_target(ctx) is None:
-        return None
+    if not hook.slots.numel() or _site_target(ctx) is None:
+        return None  # nothing was freed to free again
     damage = _free_list_damage(hook, _ints(hook.slots), hook.frontier, "freed_twice", 0, -1)
     return _eviction_landing(ctx, EvictionEffect(free_again=hook.slots.clone()), damage)
 
