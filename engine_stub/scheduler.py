@@ -431,7 +431,10 @@ class Scheduler:
         lock = self.tree_cache.inc_lock_ref(match.last_node) if match is not None else None
         extend_len = req.prompt_len - prefix_len
         chunk_end = req.prompt_len
-        req.chunk_size = chunk_room
+        # Whole pages: what the step's earlier prompts left of the chunk budget need not be, and
+        # every later chunk of this prompt is this size (a chunk boundary off a page would leave
+        # cache_unfinished a part-page to insert).
+        req.chunk_size = None if chunk_room is None else _page_floor(chunk_room, page)
         if chunk_room is not None and idle:
             swa_room = self.allocator.swa_available_size() - self._swa_headroom()
             if self.tree_cache is not None:

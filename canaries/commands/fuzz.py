@@ -37,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fuzz.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     fuzz.add_argument("--report-dir", metavar="DIR", help="default: reports/fuzz-<run-id>/")
     fuzz.add_argument("--runtime", default="local", help="local (default) | docker")
+    fuzz.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                      help="override every generated scenario's engine.device")
     fuzz.add_argument("--shrink-steps", type=int, default=16, metavar="N",
                       help="runs to spend shrinking each new finding (0: do not shrink)")
     fuzz.add_argument("--keep-runs", action="store_true",
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from canaries.fuzz.campaign import fuzz
 
     result = fuzz(args.seed, report, budget_s=parse_budget(args.budget) if args.budget else None,
-                  count=args.count, jobs=args.jobs, runtime=args.runtime,
+                  count=args.count, jobs=args.jobs, runtime=args.runtime, device=args.device,
                   shrink_steps=args.shrink_steps, keep_runs=args.keep_runs)
     print(f"report: {report / 'index.html'}")
     if result.interrupted:
@@ -86,7 +88,7 @@ def _replay(args: argparse.Namespace, report: Path) -> int:
         if not path.is_file():
             raise UsageError(f"{path}: no such scenario file")
     try:
-        judged = replay(paths, report, runtime=args.runtime)
+        judged = replay(paths, report, runtime=args.runtime, device=args.device)
     except ScenarioError as exc:
         raise UsageError(str(exc)) from None
     for path, judgement in judged:
@@ -105,7 +107,7 @@ def _mutants(args: argparse.Namespace, report: Path) -> int:
         raise UsageError(f"-k {args.k!r}: no catalogue entry matches")
     budget = parse_budget(args.budget) if args.budget else 60.0
     results = fuzz_mutants(mutants, args.seed, report, budget_s=budget, jobs=args.jobs,
-                           runtime=args.runtime)
+                           runtime=args.runtime)  # catalogue mutants: the local runtime's engine copies
     counted = [r for r in results if r.status in ("killed", "survived")]
     killed = sum(r.status == "killed" for r in counted)
     print(f"fuzzer kill rate (seed {args.seed}, {budget:.0f}s per mutant, {args.jobs} job(s)): "

@@ -120,7 +120,7 @@ def _write_reports(result: FuzzResult) -> None:
 
 
 def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
-         count: int | None = None, jobs: int = 1, runtime: str = "local",
+         count: int | None = None, jobs: int = 1, runtime: str = "local", device: str | None = None,
          engine_root: str | Path | None = None, shrink_steps: int = 16, keep_runs: bool = False,
          progress: Callable[[str], None] | None = print) -> FuzzResult:
     """Run generated scenarios of `seed` (index 0, 1, ...) until `budget_s` seconds have gone
@@ -147,7 +147,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
         started = time.monotonic()
         scenario, _ = scenario_for(seed, index, report_dir / "generated")
         run_dir = report_dir / "runs" / scenario.name
-        record = run_scenario(scenario, run_dir, runtime=runtime, engine_root=engine_root)
+        record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root)
         return index, scenario, run_dir, judge_run(scenario, record, run_dir), time.monotonic() - started
 
     def take(index: int, scenario: Any, run_dir: Path, judgement: Judgement, seconds: float) -> None:
@@ -197,7 +197,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
             result.interrupted = latch.tripped
             _write_reports(result)
             if not latch.tripped:
-                _shrink_all(result, sources, seed, runtime, shrink_steps, latch, say, engine_root)
+                _shrink_all(result, sources, seed, (runtime, device, engine_root), shrink_steps, latch, say)
         finally:
             log.close()
             close_fork_server(engine_root=engine_root)
@@ -211,22 +211,35 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
     return result
 
 
-def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, runtime: str,
-                shrink_steps: int, latch: Any, say: Callable[[str], None],
-                engine_root: str | Path | None) -> None:
+class _Interrupted(Exception):
+    """SIGINT/SIGTERM during shrinking: stop, keep the finding as found."""
+
+
+def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, where: tuple,
+                shrink_steps: int, latch: Any, say: Callable[[str], None]) -> None:
+    """Shrink each finding in place; `where` is (runtime, device, engine_root) as it ran."""
     from canaries.scenario import ScenarioError
     from canaries.triage.shrink import shrink
 
+    runtime, device, engine_root = where
     for signature, finding in result.findings.items():
         if latch.tripped or shrink_steps <= 0:
             return
         say(f"canary fuzz: shrinking {finding.slug} ({finding.outcome})")
         work = result.report_dir / "shrink" / finding.slug
+        def stop_if_interrupted(step: Any) -> None:
+            if latch.tripped:
+                raise _Interrupted
+
         try:
             shrunk = shrink(sources[signature], Path(finding.path), runtime=runtime, work_dir=work,
                             max_steps=shrink_steps, target_of=_oracle_target,
+                            progress=stop_if_interrupted,
                             name=finding.slug, header=_header(finding, seed),
-                            engine_root=engine_root)
+                            engine_root=engine_root, device=device)
+        except _Interrupted:
+            say("  interrupted: kept as found")
+            return
         except (ScenarioError, OSError, RuntimeError) as exc:
             say(f"  shrink failed: {exc}")
             continue
@@ -242,7 +255,7 @@ def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, runtime
         say(f"  size {shrunk.size_before} -> {shrunk.size_after} in {len(shrunk.steps)} step(s)")
 
 
-def replay(paths: list[Path], report_dir: Path, runtime: str = "local",
+def replay(paths: list[Path], report_dir: Path, runtime: str = "local", device: str | None = None,
            engine_root: str | Path | None = None) -> list[tuple[Path, Judgement]]:
     """Run each scenario file and judge it as the fuzzer does."""
     from canaries.runner import run_scenario
@@ -252,6 +265,6 @@ def replay(paths: list[Path], report_dir: Path, runtime: str = "local",
     for i, path in enumerate(paths):
         scenario = load_scenario(path)
         run_dir = report_dir / f"{i:03d}-{scenario.name}"
-        record = run_scenario(scenario, run_dir, runtime=runtime, engine_root=engine_root)
+        record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root)
         out.append((path, judge_run(scenario, record, run_dir)))
     return out
