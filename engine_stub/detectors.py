@@ -83,6 +83,9 @@ CATALOGUE: tuple[Detector, ...] = (
     Detector("idle.swa_ledger", "GUARD", "idle_tick",
              "SWA pool: available + evictable + protected == total"),
     # ---- the scheduler (engine_stub/scheduler.py)
+    Detector("sched.prefix_row", "GUARD", "Scheduler._cache_unfinished, Scheduler._release_kv",
+             "below cache_protected_len a request's row holds the radix cache's slots of the "
+             "prefix it locked"),
     Detector("sched.decode_stall", "GUARD", "Scheduler._schedule_decode",
              "decode could not allocate one slot per running request (a pool ran dry)"),
     Detector("sched.admission_stall", "GUARD", "Scheduler.step",

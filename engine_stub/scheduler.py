@@ -73,6 +73,12 @@ ADMISSION_STALL = Invariant(
                 "be allocated (something leaked)",
 )
 
+PREFIX_ROW = Invariant(
+    "sched.prefix_row", Bucket.GUARD, IsTrue(), site="Scheduler._cache_unfinished, Scheduler._release_kv",
+    description="below cache_protected_len a request's row holds the radix cache's slots of the "
+                "prefix it locked",
+)
+
 
 class CanaryRaised(RuntimeError):
     """kv_canary=raise saw violations; the engine dies after logging them."""
@@ -555,8 +561,10 @@ class Scheduler:
         table = self.req_to_token_pool.req_to_token
         if self.reach is not None:
             self.reach.table_read(req.row, req.rid, 0, kv_len, "the cache of a chunked request's processed part")
+        row = table[req.row, :kv_len].to(torch.int64)
+        self._check_prefix_row(req, row)
         result = self.tree_cache.cache_unfinished(
-            req.origin_input_ids[:kv_len], table[req.row, :kv_len].to(torch.int64),
+            req.origin_input_ids[:kv_len], row,
             prev_prefix_len=protected, swa_evicted_seqlen=evicted, lock=req.lock,
         )
         req.lock = result.lock
@@ -566,6 +574,19 @@ class Scheduler:
             self.reach.table_written(req.row, protected, new_len, "rewritten with the radix cache's slots")
         req.cache_protected_len = new_len
         req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, new_len)
+
+    def _check_prefix_row(self, req: Req, row: torch.Tensor) -> None:
+        """The row's part below `cache_protected_len` names the tree's slots of the prefix the
+        request locked (it was written from them, and nothing but a corruption changes it). The
+        tree reads only its own slots there, so a damaged entry is otherwise seen only by the
+        forwards that read it (the KV canary) and never freed."""
+        protected = req.cache_protected_len
+        if req.lock is None or protected == 0:
+            return
+        held = self.tree_cache.locked_slots(req.lock)
+        assert held.numel() >= protected, "the locked prefix is shorter than cache_protected_len"
+        expect(PREFIX_ROW, row[:protected] == held[:protected], "row disagrees with the cached prefix",
+               slots=row[:protected])
 
     def _evict_tree(self, num_tokens: int) -> None:
         """Evict the radix cache until both pools have `num_tokens` free (SGLang's
@@ -711,6 +732,7 @@ class Scheduler:
             self.allocator.free_full(slots[:frontier])
             self.allocator.free(slots[frontier:])
             return
+        self._check_prefix_row(req, slots)
         aligned = _page_floor(kv_len, page)
         self.allocator.free(slots[aligned:])
         self.tree_cache.insert(

@@ -48,3 +48,12 @@ regression(
            "pool stalls mid-decode on a healthy engine (a canary fuzz finding)",
     caught_by=("clean-chunked-prefix-lock-release",),
 )
+regression(
+    name="chunk.leftover-budget-off-page", area="chunk", file=SCHED,
+    old="        req.chunk_size = None if chunk_room is None else _page_floor(chunk_room, page)\n",
+    new="        req.chunk_size = chunk_room\n",
+    models="a prompt chunked with what earlier prompts left of the step's chunk budget keeps that "
+           "size for every chunk, part-pages included: its second chunk boundary ends mid-page "
+           "(a canary fuzz finding: cache_unfinished raised)",
+    caught_by=("clean-chunked-budget-leftover-page16",),
+)

@@ -138,3 +138,12 @@ regression(
            "later turns miss (a cosmic-ray survivor, promoted)",
     caught_by=("clean-radix-full-evict-keeps-hits",),
 )
+regression(
+    name="radix.hit-prefix-row-page-short", area="radix", file="engine_stub/scheduler.py",
+    old="            self.req_to_token_pool.write(req.row, 0, match.slots)\n",
+    new="            self.req_to_token_pool.write(req.row, 0, match.slots[:-self.page_size])\n",
+    models="a cache hit's prefix is written into the request's row one page short: the row's last "
+           "prefix page still names whatever the row's previous owner left there, and the forwards "
+           "read that KV",
+    caught_by=("clean-cache-hits",),
+)

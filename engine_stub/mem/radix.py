@@ -483,6 +483,11 @@ class SWARadixCache:
         values = [n.value for n in self._nodes()]
         return torch.cat(values) if values else self._empty()
 
+    def locked_slots(self, handle: LockHandle) -> torch.Tensor:
+        """The FULL slots of the prefix `handle` locks (root to its node), int64."""
+        values = [n.value for n in self._path_to(handle.node)]
+        return torch.cat(values) if values else self._empty()
+
     def held_swa_slots(self) -> torch.Tensor:
         """The SWA peers of every live (non-tombstone) node's slots, int64 (unmapped ones read 0)."""
         mapping = self.allocator.full_to_swa_index_mapping
@@ -523,6 +528,10 @@ class SWARadixCache:
             if len(node.key) != len(node.value) or not node.key or len(node.key) % self.page_size:
                 problems.append(f"{where} has key/value lengths {len(node.key)}/{len(node.value)}")
                 continue
+            # The padding page (slots below page_size: what a zeroed req_to_token entry names)
+            # is never handed out, so a node that holds it caches KV nobody wrote.
+            if bool((node.value < self.page_size).any()):
+                problems.append(f"{where} holds the padding page's slots")
             peers = mapping[node.value]
             if node.swa_tombstone and bool((peers != 0).any()):
                 problems.append(f"{where} is a tombstone but its slots are still mapped")

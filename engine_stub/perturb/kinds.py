@@ -124,10 +124,10 @@ def _first_read_slot(view: EngineView, req: ReqState) -> int | None:
 
 @register_kind("corrupt_req_to_token", Site.BEFORE_STEP, caught_by=(
     "swa.peer_mapped", "kv_canary.verify_chain_hash", "kv_canary.verify_position", "idle.swa_ledger",
-    "idle.radix_sanity", "alloc.reserved_slot", "alloc.out_of_pool"))
+    "idle.radix_sanity", "alloc.reserved_slot", "alloc.out_of_pool", "sched.prefix_row"))
 def corrupt_req_to_token(ctx: KindContext[BeforeStep]) -> Landing | None:
     """Point a req_to_token entry at another live slot, a freed slot, 0 or -1 (target.value).
-    other_live_slot/zero on page_size 1: swa.peer_mapped when both owners free the slot (invariants off: kv_canary.verify_chain_hash); freed_slot: kv_canary.verify_chain_hash, else idle.swa_ledger/idle.radix_sanity; zero on larger pages: alloc.reserved_slot; minus_one: alloc.out_of_pool at its free."""
+    other_live_slot/zero on page_size 1: swa.peer_mapped when both owners free the slot (invariants off: kv_canary.verify_chain_hash); freed_slot: kv_canary.verify_chain_hash, else idle.swa_ledger/idle.radix_sanity; zero on larger pages: alloc.reserved_slot; minus_one: alloc.out_of_pool at its free; an entry of a prefix the radix cache holds (never freed from the row): sched.prefix_row at the next chunk boundary or the finish."""
     view, value = ctx.view, ctx.target.value
     running = view.running()
     for req in pick_requests(ctx.target, running, ctx.rng):
