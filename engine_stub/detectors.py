@@ -77,7 +77,7 @@ CATALOGUE: tuple[Detector, ...] = (
     Detector("idle.full_ledger", "GUARD", "idle_tick",
              "full pool: available + evictable + protected == total"),
     Detector("idle.radix_sanity", "GUARD", "idle_tick",
-             "radix cache: nothing locked, no tombstone leaf, mapping agrees"),
+             "radix cache: nothing locked, no tombstone leaf, no padding slot, mapping agrees"),
     Detector("idle.req_rows_ledger", "GUARD", "idle_tick",
              "request rows: free rows == max_running_requests"),
     Detector("idle.swa_ledger", "GUARD", "idle_tick",

@@ -33,7 +33,7 @@ SWA_LEDGER = Invariant("idle.swa_ledger", Bucket.GUARD, IsTrue(), site="idle_tic
 REQ_ROWS_LEDGER = Invariant("idle.req_rows_ledger", Bucket.GUARD, IsTrue(), site="idle_tick",
                             description="request rows: free rows == max_running_requests")
 RADIX_SANITY = Invariant("idle.radix_sanity", Bucket.GUARD, IsTrue(), site="idle_tick",
-                         description="radix cache: nothing locked, no tombstone leaf, mapping agrees")
+                         description="radix cache: nothing locked, no tombstone leaf, no padding slot, mapping agrees")
 
 
 class IdleChecker:

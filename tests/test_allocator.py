@@ -590,7 +590,9 @@ class TestVectorisedPagedPlacement:
             assert out.tolist() == _reference_extend(expected_pages, prefix_lens, seq_lens, last_loc, page_size)
 
     @pytest.mark.parametrize("page_size", [3, 4])
-    def test_alloc_decode_matches_the_per_token_definition(self, page_size: int) -> None:
+    def test_alloc_decode_matches_sglangs_definition(self, page_size: int) -> None:
+        # SGLang's alloc_decode_naive: a new page's first slot at a page boundary, else last_loc + 1
+        # (whatever last_loc holds: a damaged -1 gives the padding slot 0, never a negative index).
         rng = __import__("random").Random(page_size)
         for _ in range(200):
             allocator = create_sub_allocator(64 * page_size, page_size)
@@ -598,8 +600,7 @@ class TestVectorisedPagedPlacement:
             last_loc = [rng.randint(-2, 70 * page_size) for _ in seq_lens]
             expected_pages = iter(allocator.free_pages.tolist())
             expected = [
-                next(expected_pages) * page_size if (seq - 1) % page_size == 0
-                else (last // page_size) * page_size + (seq - 1) % page_size
+                next(expected_pages) * page_size if (seq - 1) % page_size == 0 else last + 1
                 for seq, last in zip(seq_lens, last_loc, strict=True)
             ]
             assert allocator.alloc_decode(seq_lens, torch.tensor(last_loc)).tolist() == expected

@@ -37,3 +37,11 @@ regression(
            "another page's SWA peers",
     caught_by=("clean-page16-noradix",),
 )
+regression(
+    name="paged.decode-new-page-as-page-id", area="paged", file=ALLOC,
+    old="        if new_pages == reqs:\n            return pages * page\n",
+    new="        if new_pages == reqs:\n            return pages\n",
+    models="a decode batch whose every request opens a new page hands out the page ids as slots: "
+           "slots of the padding page and of other pages, cached by the radix tree at finish",
+    caught_by=("corrupt-r2t-minus-one-last-loc-page5",),
+)

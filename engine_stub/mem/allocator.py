@@ -683,12 +683,13 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         reqs = len(seq_lens)
         if new_pages == reqs:
             return pages * page
-        if last_loc.dtype != torch.int64:
-            last_loc = last_loc.to(torch.int64)
-        continued = torch.div(last_loc, page, rounding_mode="floor").mul_(page)
+        # A request that goes on in its page gets the slot after its last one, as SGLang's
+        # `alloc_decode` computes it (`last_loc + 1`): a damaged last_loc (a -1) then names the
+        # padding slot, for the free-time checks to see, never an index outside the pool.
+        continued = last_loc.to(torch.int64) + 1
         if new_pages == 0:
-            return continued.add_(_host_ints(offsets, self.device))
-        # Sources: the drawn pages' first slots, then each request's last_loc page.
+            return continued
+        # Sources: the drawn pages' first slots, then each request's next slot.
         index, cursor = [], 0
         for req, offset in enumerate(offsets):
             if offset == 0:
@@ -696,9 +697,8 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 cursor += 1
             else:
                 index.append(new_pages + req)
-        meta = _host_ints(index + offsets, self.device)
         source = torch.cat([pages * page, continued])
-        return source.index_select(0, meta[:reqs]).add_(meta[reqs:])
+        return source.index_select(0, _host_ints(index, self.device))
 
     def _shifted_pages(self, free_index: torch.Tensor) -> torch.Tensor:
         """Each slot's page + 1, clamped into the rows (see `_rows`): a fresh tensor."""
