@@ -145,3 +145,53 @@ def test_fuzz_campaign_writes_findings_and_a_report(tmp_path) -> None:
 def test_fuzz_with_bad_arguments_exits_2_naming_the_parameter(argv, message, capsys) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_oracle_calls_a_silence_disabled_when_the_kinds_detectors_are_off(tmp_path) -> None:
+    text = (SCENARIO_DIR / "swap-next-token.yaml").read_text()
+    doc = yaml.safe_load(text)
+    doc["engine"]["kv_canary"] = "off"  # the only detector of a swapped token
+    path = tmp_path / "swap-canary-off.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    scenario = load_scenario(path)
+    record = run_scenario(scenario, tmp_path / "run")
+    judgement = judge_run(scenario, record, tmp_path / "run")
+    assert judgement.outcome == "disabled" and not judgement.finding
+    assert "answers" in judgement.reason  # what the silence cost is still said
+
+
+FOLLOW_UP_OF_AN_ABORTED_REQUEST = """\
+name: follow-up-of-an-aborted-request
+seed: 938296
+engine: {profile: cpu-tiny, page_size: 6, window: 33, swa_pool_tokens: 168, full_pool_tokens: 468,
+         max_context_len: 468, max_running_requests: 1, radix_cache: true, invariant_check: warn,
+         kv_canary: 'off'}
+workload:
+  requests: 5
+  concurrency: 2
+  prompt_tokens: 193
+  max_new_tokens: 8
+  extra_requests:
+    - {prompt_of: 1, with_answer: true, keep_tokens: 91}
+perturbations:
+  - kind: double_free_swa
+    trigger: {event: first_swa_eviction, times: 1}
+  - kind: skip_free_swa
+    trigger: {at_step: 11}
+    target: {request: all}
+expect: {fires: [swa.peer_released], any: true}
+"""
+
+
+def test_follow_up_the_driver_cannot_send_does_not_stall_the_gate(tmp_path) -> None:
+    # r0001 is aborted by the admission-stall guard (warn), so its follow-up is never sent; the
+    # driver tells the lockstep gate, which used to wait its timeout at every step (a hang).
+    path = tmp_path / "follow-up.yaml"
+    path.write_text(FOLLOW_UP_OF_AN_ABORTED_REQUEST)
+    scenario = load_scenario(path)
+    record = run_scenario(scenario, tmp_path / "run")
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    responses = [json.loads(line) for line in (tmp_path / "run" / "responses.jsonl").read_text().splitlines()]
+    assert any("has no answer to follow" in str(r.get("error")) for r in responses)
+    assert not [e for e in events if e["kind"] == "gate_timeout"]
+    assert judge_run(scenario, record, tmp_path / "run").outcome == "detected"
