@@ -195,3 +195,24 @@ def test_follow_up_the_driver_cannot_send_does_not_stall_the_gate(tmp_path) -> N
     assert any("has no answer to follow" in str(r.get("error")) for r in responses)
     assert not [e for e in events if e["kind"] == "gate_timeout"]
     assert judge_run(scenario, record, tmp_path / "run").outcome == "detected"
+
+
+def test_accepted_findings_load_and_match_by_pattern(tmp_path) -> None:
+    from canaries.fuzz.accepted import load_accepted
+
+    accepted = load_accepted()  # the project's own file
+    assert accepted and all(a.reason.strip() for a in accepted)
+    path = tmp_path / "accepted.yaml"
+    path.write_text("accepted:\n  - {signature: 'blind_spot|flip_kv_byte|*', reason: content damage}\n")
+    (only,) = load_accepted(path)
+    assert only.matches("blind_spot|flip_kv_byte|-|answers|inv=off,canary=off,page=1,radix=on")
+    assert not only.matches("blind_spot|strip_swa_mapping|-|answers|inv=off,canary=off,page=1,radix=on")
+
+
+def test_accepted_file_without_a_reason_is_an_error_naming_the_entry(tmp_path) -> None:
+    from canaries.fuzz.accepted import load_accepted
+
+    path = tmp_path / "accepted.yaml"
+    path.write_text("accepted:\n  - {signature: 'blind_spot|x|*', reason: ''}\n")
+    with pytest.raises(ValueError, match=r"accepted\[0\]"):
+        load_accepted(path)

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace, report: Path) -> int:
+    from canaries.fuzz.accepted import load_accepted
     from canaries.fuzz.campaign import replay
     from canaries.scenario import ScenarioError
 
@@ -91,9 +92,14 @@ def _replay(args: argparse.Namespace, report: Path) -> int:
         judged = replay(paths, report, runtime=args.runtime, device=args.device)
     except ScenarioError as exc:
         raise UsageError(str(exc)) from None
+    accepted = load_accepted()
+    found = 0
     for path, judgement in judged:
-        print(f"{path}: {judgement.outcome} ({judgement.signature}) {judgement.reason}")
-    return EXIT_FAILED if any(j.finding for _, j in judged) else EXIT_OK
+        known = next((a for a in accepted if judgement.finding and a.matches(judgement.signature)), None)
+        found += judgement.finding and known is None
+        what = f"accepted {judgement.outcome}" if known else judgement.outcome
+        print(f"{path}: {what} ({judgement.signature}) {judgement.reason}")
+    return EXIT_FAILED if found else EXIT_OK
 
 
 def _mutants(args: argparse.Namespace, report: Path) -> int:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from canaries.fuzz.accepted import load_accepted
 from canaries.fuzz.generate import scenario_for
 from canaries.fuzz.oracle import Judgement, judge_run
 
@@ -57,15 +58,16 @@ class FuzzResult:
     findings: dict[str, Finding] = field(default_factory=dict)
     wall_s: float = 0.0
     generate_s: float = 0.0
+    jobs: int = 1
     interrupted: bool = False
 
     def summary(self) -> dict:
-        hours = self.generate_s / 3600 or 1e-9
-        return {"seed": self.seed, "runs": self.runs, "wall_s": round(self.wall_s, 1),
+        cpu_hours = self.generate_s * self.jobs / 3600 or 1e-9  # the generating phase, all jobs
+        return {"seed": self.seed, "runs": self.runs, "jobs": self.jobs, "wall_s": round(self.wall_s, 1),
                 "generate_s": round(self.generate_s, 1), "interrupted": self.interrupted,
                 "outcomes": dict(sorted(self.outcomes.items())),
                 "findings": [asdict(f) for f in self.findings.values()],
-                "findings_per_hour": round(len(self.findings) / hours, 2)}
+                "findings_per_cpu_hour": round(len(self.findings) / cpu_hours, 2)}
 
 
 def _header(finding: Finding, seed: int) -> str:
@@ -114,8 +116,9 @@ def _write_reports(result: FuzzResult) -> None:
         f"{rows}</table>"
         "<p>Rerun one: <code>canary fuzz --replay FILE</code>. Outcomes that are not findings: clean, "
         "detected, absorbed (nothing fired, and the engine provably absorbed the damage), "
-        "not_injected and not_reached (the generated perturbation never landed, or nothing read "
-        "its damage).</p>")
+        "disabled (the kind's detectors are off in that engine), accepted (a signature "
+        "configs/fuzz/accepted.yaml accepts, with its reason), not_injected and not_reached (the "
+        "generated perturbation never landed, or nothing read its damage).</p>")
     write_atomic(result.report_dir / "index.html", page.encode())
 
 
@@ -137,7 +140,8 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
     for sub in ("generated", "runs", "findings"):
         (report_dir / sub).mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _: None)
-    result = FuzzResult(seed, report_dir)
+    result = FuzzResult(seed, report_dir, jobs=jobs)
+    accepted = load_accepted()
     t0 = time.monotonic()
     deadline = t0 + budget_s if budget_s is not None else float("inf")
     log = open(report_dir / "fuzz.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed below
@@ -152,12 +156,15 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
 
     def take(index: int, scenario: Any, run_dir: Path, judgement: Judgement, seconds: float) -> None:
         result.runs += 1
-        result.outcomes[judgement.outcome] += 1
+        known = next((a for a in accepted if judgement.finding and a.matches(judgement.signature)), None)
+        outcome = "accepted" if known else judgement.outcome
+        result.outcomes[outcome] += 1
         log.write(json.dumps({"index": index, "scenario": scenario.name, **judgement.to_dict(),
+                              **({"accepted": known.signature} if known else {}),
                               "seconds": round(seconds, 2)}) + "\n")
         log.flush()
-        line = f"[{result.runs}] {scenario.name} {judgement.outcome} ({seconds:.1f}s)"
-        if judgement.finding:
+        line = f"[{result.runs}] {scenario.name} {outcome} ({seconds:.1f}s)"
+        if judgement.finding and not known:
             known = result.findings.get(judgement.signature)
             if known is not None:
                 known.seen += 1
