@@ -135,21 +135,15 @@ def _engine(rng: random.Random, page: int, window: int, workload: dict) -> dict:
     chunked = _pick(rng, {"auto": 6, "off": 2, "size": 2})
     swa = _pick(rng, {smallest_swa: 2, smallest_swa + page: 2, 2 * smallest_swa: 2,
                       smallest_swa + rng.randint(0, 256): 2, 1024: 1})
-    if chunked == "off":
-        swa = max(swa, extend + headroom)  # whole prompts only: the SWA pool must take the longest
     full_need = extend + full_reserve(page, workload["max_new_tokens"])
     running = rng.randint(1, 6)
     full = _pick(rng, {full_need: 2, full_need + page: 1, 2 * full_need: 2,
                        running * full_need: 1, 2048: 2})
-    swa = -(-swa // page) * page
-    # The full pool holds the SWA pool's slots and the longest request (admission and context).
-    full = -(-max(full, full_need, swa, longest + workload["max_new_tokens"]) // page) * page
     engine: dict[str, Any] = {
         "page_size": page,
         "window": window,
         "swa_pool_tokens": swa,
         "full_pool_tokens": full,
-        "max_context_len": min(MAX_CONTEXT, full),
         "max_running_requests": running,
         "radix_cache": rng.random() < 0.6,
         "invariant_check": _pick(rng, {"strict": 5, "warn": 3, "off": 1}),
@@ -163,18 +157,69 @@ def _engine(rng: random.Random, page: int, window: int, workload: dict) -> dict:
     elif chunked == "size":
         room = engine["swa_pool_tokens"] - headroom
         engine["chunked_prefill_size"] = max(page, rng.randint(page, max(page, room)) // page * page)
+    return _fit_pools(engine, workload)
+
+
+def _fit_pools(engine: dict, workload: dict) -> dict:
+    """Raise the pools to what the engine accepts and the workload's every request needs: the
+    SWA pool holds one headroom plus a page (and, unchunked, the longest prompt besides), the full
+    pool the SWA pool's slots and the longest request as admission reserves it."""
+    page, window = engine["page_size"], engine["window"]
+    headroom = max(window, page) + window + 2 * page
+    longest = _longest_prompt(workload)
+    extend = -(-longest // page) * page
+    swa = max(engine["swa_pool_tokens"], headroom + page)
+    if engine.get("chunked_prefill_size") == "off":
+        swa = max(swa, extend + headroom)  # whole prompts only: the SWA pool must take the longest
+    swa = -(-swa // page) * page
+    full_need = extend + full_reserve(page, workload["max_new_tokens"])
+    full = max(engine["full_pool_tokens"], full_need, swa, longest + workload["max_new_tokens"])
+    full = -(-full // page) * page
+    engine.update(swa_pool_tokens=swa, full_pool_tokens=full, max_context_len=min(MAX_CONTEXT, full))
     return engine
 
 
-def _trigger(rng: random.Random, kind: str, steps: int) -> dict:
-    form = _pick(rng, {"plain": 2, "at_step": 2, "after_step": 1, "event": 3, "cadence": 1})
+# What a kind needs of the engine and the workload to have anything to act on.
+NEEDS_TWO_RUNNING = frozenset({"swap_next_token", "alias_swa_mapping"})  # two requests in a batch
+NEEDS_CHUNKS = frozenset({"unfinished_insert_live_head"})  # a prompt cached between its chunks
+
+
+def _fit_needs(rng: random.Random, kinds: list[str], events: set[str], engine: dict,
+               workload: dict) -> None:
+    """Make the engine and workload give each drawn kind (and trigger event) something to act
+    on: two requests running at once, a prompt chunked with a radix cache, a cache hit."""
+    if NEEDS_TWO_RUNNING & set(kinds):
+        workload["requests"] = max(workload["requests"], 2)
+        workload["concurrency"] = max(workload["concurrency"], 2)
+        engine["max_running_requests"] = max(engine["max_running_requests"], 2)
+    if NEEDS_CHUNKS & set(kinds) or "chunk_boundary" in events:
+        page = engine["page_size"]
+        engine["radix_cache"] = engine["radix_cache"] or bool(NEEDS_CHUNKS & set(kinds))
+        engine["chunked_prefill_size"] = page * rng.randint(1, 3)
+        prompt = workload["prompt_tokens"]
+        longest = max(prompt) if isinstance(prompt, list) else prompt
+        if longest <= engine["chunked_prefill_size"]:
+            shortest = prompt[0] if isinstance(prompt, list) else prompt  # what extras were cut to
+            workload["prompt_tokens"] = [shortest, engine["chunked_prefill_size"] + rng.randint(1, 3 * page)]
+    if "cache_hit" in events:
+        engine["radix_cache"] = True
+        if not any("prompt_of" in x for x in workload.get("extra_requests", ())):
+            workload.setdefault("extra_requests", []).append(
+                {"prompt_of": 0, "append_tokens": rng.randint(1, 8)})
+
+
+def _trigger(rng: random.Random, kind: str, steps: int, event: str | None) -> dict:
+    # An exact step rarely meets a site that only some steps reach (an eviction, a finish).
+    at_step = 2 if KINDS[kind].site.value == "before_step" else 0.3
+    form = "event" if event else _pick(rng, {"plain": 2, "at_step": at_step, "after_step": 1.5,
+                                             "cadence": 1})
     trigger: dict[str, Any] = {}
     if form == "at_step":
         trigger["at_step"] = rng.randint(1, max(1, steps))
     elif form == "after_step":
         trigger["after_step"] = rng.randint(0, max(0, steps // 2))
     elif form == "event":
-        trigger["event"] = rng.choice(EVENTS)
+        trigger["event"] = event
     elif form == "cadence":
         trigger["warmup_steps"] = rng.randint(0, max(0, min(12, steps // 2)))
         trigger["interval"] = rng.randint(1, 4)
@@ -224,10 +269,10 @@ def library_perturbations() -> dict[str, tuple[dict, ...]]:
     return {kind: tuple(items) for kind, items in by_kind.items()}
 
 
-def _perturbation(rng: random.Random, window: int, running_at_most: int, radix: bool,
-                  steps: int) -> dict:
-    kinds = [k for k in KINDS if radix or k != "unfinished_insert_live_head"]
-    kind = rng.choice(kinds)
+def _perturbation(rng: random.Random, kind: str, event: str | None, window: int,
+                  running_at_most: int, radix: bool, steps: int) -> dict:
+    """One perturbation of `kind`: a library form of it, or one drawn here (with `event` as its
+    trigger when given)."""
     seeds = library_perturbations().get(kind)
     if seeds and rng.random() < SEED_SHARE:
         item = copy.deepcopy(rng.choice(seeds))
@@ -239,7 +284,7 @@ def _perturbation(rng: random.Random, window: int, running_at_most: int, radix: 
         if target.get("request") == "cached" and not radix:
             target["request"] = "all"
         return item
-    item: dict[str, Any] = {"kind": kind, "trigger": _trigger(rng, kind, steps),
+    item: dict[str, Any] = {"kind": kind, "trigger": _trigger(rng, kind, steps, event),
                             "target": _target(rng, window, running_at_most)}
     if item["target"].get("request") == "cached" and not radix:
         item["target"]["request"] = 0
@@ -268,12 +313,16 @@ def generate(draw: Draw) -> dict:
     if control:
         doc["expect"] = {"clean": True}
         return doc
+    kinds = [rng.choice(tuple(KINDS)) for _ in range(_pick(rng, {1: 6, 2: 3, 3: 1}))]
+    events = [rng.choice(EVENTS) if rng.random() < 1 / 3 else None for _ in kinds]
+    _fit_needs(rng, kinds, {e for e in events if e}, engine, workload)
+    _fit_pools(engine, workload)
     running_at_most = min(workload["requests"], workload["concurrency"], engine["max_running_requests"])
     # Engine steps the workload takes at least: each wave of requests decodes its outputs.
     waves = -(-workload["requests"] // running_at_most)
     steps = waves * (workload["max_new_tokens"] + 1)
-    perturbations = [_perturbation(rng, window, running_at_most, engine["radix_cache"], steps)
-                     for _ in range(_pick(rng, {1: 6, 2: 3, 3: 1}))]
+    perturbations = [_perturbation(rng, kind, event, window, running_at_most, engine["radix_cache"], steps)
+                     for kind, event in zip(kinds, events, strict=True)]
     if engine["invariant_check"] == "off" and engine["kv_canary"] == "off":
         engine["kv_canary"] = "log"  # something must be able to see damage for a finding to mean anything
     doc["perturbations"] = perturbations
