@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="override every generated scenario's engine.device")
     fuzz.add_argument("--shrink-steps", type=int, default=16, metavar="N",
                       help="runs to spend shrinking each new finding (0: do not shrink)")
+    fuzz.add_argument("--engine-python", metavar="PATH", default=None,
+                      help="an interpreter with sglang (scripts/make-sglang-venv.sh): every scenario "
+                           "also runs on SGLang's allocator, and a different outcome is a finding")
     fuzz.add_argument("--keep-runs", action="store_true",
                       help="keep every run's directory (default: only those of findings)")
     fuzz.add_argument("--replay", nargs="+", metavar="FILE",
@@ -68,11 +71,15 @@ def run(args: argparse.Namespace) -> int:
         return _mutants(args, report)
     if args.budget is None and args.count is None:
         raise UsageError("give --budget DURATION (e.g. 10m) or --count N")
+    from canaries.commands.run import check_engine_python
     from canaries.fuzz.campaign import fuzz
 
+    if args.engine_python:
+        check_engine_python(args.engine_python, "sglang", args.runtime)
     result = fuzz(args.seed, report, budget_s=parse_budget(args.budget) if args.budget else None,
                   count=args.count, jobs=args.jobs, runtime=args.runtime, device=args.device,
-                  shrink_steps=args.shrink_steps, keep_runs=args.keep_runs)
+                  shrink_steps=args.shrink_steps, keep_runs=args.keep_runs,
+                  sglang_python=args.engine_python)
     print(f"report: {report / 'index.html'}")
     if result.interrupted:
         return EXIT_INTERRUPTED

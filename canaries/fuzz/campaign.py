@@ -92,6 +92,22 @@ def _oracle_target(scenario: Any, record: Any, run_dir: Path) -> tuple[str, str]
     return judgement.outcome, judgement.signature
 
 
+def _parity(scenario: Any, native: Judgement, run_dir: Path, sglang_python: str,
+            device: str | None) -> Judgement:
+    """The same scenario on SGLang's allocator: its outcome must be the native one."""
+    from canaries.runner import run_scenario
+
+    sglang_dir = run_dir / "sglang"
+    record = run_scenario(scenario, sglang_dir, device=device, memory="sglang",
+                          engine_python=sglang_python)
+    other = judge_run(scenario, record, sglang_dir)
+    if other.outcome == native.outcome:
+        return native
+    return Judgement("parity", f"parity|{native.signature}|sglang:{other.outcome}",
+                     f"native {native.outcome} ({native.reason[:120]}); on SGLang's allocator "
+                     f"{other.outcome} ({other.reason[:120]})")
+
+
 def _write_reports(result: FuzzResult) -> None:
     from canaries.report.atomic import write_atomic
 
@@ -125,11 +141,16 @@ def _write_reports(result: FuzzResult) -> None:
 def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
          count: int | None = None, jobs: int = 1, runtime: str = "local", device: str | None = None,
          engine_root: str | Path | None = None, shrink_steps: int = 16, keep_runs: bool = False,
+         sglang_python: str | None = None,
          progress: Callable[[str], None] | None = print) -> FuzzResult:
     """Run generated scenarios of `seed` (index 0, 1, ...) until `budget_s` seconds have gone
     or `count` scenarios have run; then shrink each new finding (at most `shrink_steps` runs
     each). SIGINT/SIGTERM stops it early: the running scenarios' engines are stopped, shrinking
-    is skipped, every finding so far is kept and the reports are written."""
+    is skipped, every finding so far is kept and the reports are written.
+
+    `sglang_python`: an interpreter with sglang; every scenario then runs a second time on
+    SGLang's allocator (`memory: sglang`), and a different outcome from the oracle is a finding
+    `parity` (shrunk as the native run)."""
     from canaries.runner import cancel_all, run_scenario
     from canaries.runtime.safety import SignalLatch
     from canaries.runtime.warm import close_fork_server
@@ -152,7 +173,10 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
         scenario, _ = scenario_for(seed, index, report_dir / "generated")
         run_dir = report_dir / "runs" / scenario.name
         record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root)
-        return index, scenario, run_dir, judge_run(scenario, record, run_dir), time.monotonic() - started
+        judgement = judge_run(scenario, record, run_dir)
+        if sglang_python is not None and not judgement.finding:
+            judgement = _parity(scenario, judgement, run_dir, sglang_python, device)
+        return index, scenario, run_dir, judgement, time.monotonic() - started
 
     def take(index: int, scenario: Any, run_dir: Path, judgement: Judgement, seconds: float) -> None:
         result.runs += 1
@@ -232,6 +256,8 @@ def _shrink_all(result: FuzzResult, sources: dict[str, Path], seed: int, where: 
     for signature, finding in result.findings.items():
         if latch.tripped or shrink_steps <= 0:
             return
+        if finding.outcome == "parity":
+            continue  # shrinking judges the native run alone: kept as found
         say(f"canary fuzz: shrinking {finding.slug} ({finding.outcome})")
         work = result.report_dir / "shrink" / finding.slug
         def stop_if_interrupted(step: Any) -> None:

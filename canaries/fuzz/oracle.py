@@ -23,6 +23,9 @@ every answer equal to the no-cache oracle. A perturbed run, in order:
    changes what one of them reads, so it shows as a wrong answer; one never written twice did
    no harm. Anything else -> finding `blind_spot`, with what was wrong.
 
+With an sglang interpreter, the campaign also runs each scenario on SGLang's allocator: an
+outcome that differs is a finding `parity` (`canaries/fuzz/campaign.py`).
+
 A finding's signature names its class, the kinds, the fired detectors and, for a blind spot,
 the symptoms and which detectors were on, so that a campaign counts distinct findings, not runs,
 and shrinking keeps it.
@@ -41,7 +44,7 @@ __all__ = ["FINDINGS", "Judgement", "judge_run"]
 
 # Outcomes that are findings; the others say what the run did.
 FINDINGS = frozenset({"false_alarm", "control_failed", "engine_error", "hang", "cut_short",
-                      "unserved", "blind_spot"})
+                      "unserved", "blind_spot", "parity"})
 
 
 @dataclass(frozen=True)
