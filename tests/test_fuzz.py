@@ -216,3 +216,20 @@ def test_accepted_file_without_a_reason_is_an_error_naming_the_entry(tmp_path) -
     path.write_text("accepted:\n  - {signature: 'blind_spot|x|*', reason: ''}\n")
     with pytest.raises(ValueError, match=r"accepted\[0\]"):
         load_accepted(path)
+
+
+def test_fuzz_with_sglang_runs_every_scenario_on_both_memory_paths(tmp_path) -> None:
+    from test_sglang_backend import SGLANG_PYTHON
+
+    if SGLANG_PYTHON is None:
+        pytest.skip("no interpreter with sglang: run scripts/make-sglang-venv.sh")
+    from canaries.fuzz.campaign import fuzz
+
+    result = fuzz(5, tmp_path / "report", count=3, shrink_steps=0, keep_runs=True,
+                  sglang_python=SGLANG_PYTHON, progress=None)
+    assert result.runs == 3
+    lines = [json.loads(line) for line in (tmp_path / "report" / "fuzz.jsonl").read_text().splitlines()]
+    ran_on_sglang = [line for line in lines if not line["finding"] or line["outcome"] == "parity"]
+    for line in ran_on_sglang:
+        run = tmp_path / "report" / "runs" / line["scenario"] / "sglang" / "verdict.json"
+        assert json.loads(run.read_text())["extra"]["memory"] == "sglang"
