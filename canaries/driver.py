@@ -195,7 +195,7 @@ def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, 
         payload = json.dumps(body).encode()
         conn.request("POST", "/generate", body=payload, headers={"Content-Type": "application/json"})
         ready = session.post(f"{base_url}/gate/hang_up/wait",
-                             json={"rid": rid, "timeout_s": float(max(1.0, min(remaining, 600.0)))},
+                             json={"rid": rid, "timeout_s": float(max(1.0, min(remaining, 120.0)))},
                              timeout=remaining + 5.0).json().get("ready")
         if ready:
             record.update(status=CLIENT_GONE_STATUS, hung_up=True)

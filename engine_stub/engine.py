@@ -174,13 +174,20 @@ class Engine:
             self._cond.notify_all()
 
     def wait_hang_up(self, rid: str, timeout_s: float) -> bool:
-        """Block until the engine pauses for `rid`'s hang-up (True), or `rid` finished first,
-        the engine crashed or stopped, or the timeout passed (False)."""
+        """Block until the engine pauses for `rid`'s hang-up (True), or `rid` finished first
+        (or never arrived within the gate's timeout), the engine crashed or stopped, or the
+        timeout passed (False)."""
         deadline = time.monotonic() + timeout_s
+        # The driver sends the request right after planning its hang-up: one that has not
+        # arrived within the gate's timeout never will.
+        arrival = time.monotonic() + self.config.gate_timeout_s
         with self._cond:
+            if rid not in self._hang_ups and rid not in self._hang_up_ready:
+                return False  # no hang-up planned for it (the driver plans one before it sends)
             while rid not in self._hang_up_ready:
+                now = time.monotonic()
                 if self.crash is not None or self._stopping or rid in self._answered \
-                        or time.monotonic() >= deadline:
+                        or now >= deadline or (rid not in self._pending and now >= arrival):
                     return False
                 self._cond.wait(0.01)
             return True

@@ -80,8 +80,9 @@ class IdleChecker:
             ("swa", sides[1], tree.held_swa_slots() if tree else empty),
         ):
             # SGLang's allocators (the sglang backend) keep the same two lists, the staged one
-            # None when unused; page ids on pages, slot ids on page_size 1, as ours.
-            staged = getattr(side, "release_pages", None) or []
+            # None when unused or one tensor; page ids on pages, slot ids on page_size 1, as ours.
+            staged = getattr(side, "release_pages", None)
+            staged = [] if staged is None else [staged] if isinstance(staged, torch.Tensor) else staged
             pages = torch.cat([side.free_pages, *staged]).to(torch.int64).cpu()
             page = side.page_size
             free = (pages[:, None] * page + torch.arange(page)).reshape(-1)

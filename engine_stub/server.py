@@ -242,14 +242,14 @@ class GateHangUp(_Body):
     """The harness's client for `rid` hangs up once `rid` has `after_tokens` output tokens."""
 
     rid: Annotated[Text, Field(min_length=1, max_length=128)]
-    after_tokens: Annotated[int, Field(ge=1)]
+    after_tokens: Int = Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)
 
 
 class GateHangUpWait(_Body):
     """Wait until the engine pauses for `rid`'s planned hang-up."""
 
     rid: Annotated[Text, Field(min_length=1, max_length=128)]
-    timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    timeout_s: Annotated[float, Field(gt=0, le=120)] = 60.0
 
 
 class HealthResponse(BaseModel):
