@@ -500,7 +500,7 @@ def test_evict_with_nothing_cached_frees_nothing(tree: SWARadixCache) -> None:
 # ---- locks -------------------------------------------------------------------------------------
 
 
-def test_lock_swa_covers_one_window_and_survives_splits(
+def test_lock_swa_covers_exactly_one_window_and_survives_splits(
     alloc: SWATokenToKVPoolAllocator, tree: SWARadixCache
 ) -> None:
     toks = _tokens(20)
@@ -508,10 +508,12 @@ def test_lock_swa_covers_one_window_and_survives_splits(
     tree.match_prefix(toks[:8])
     tree.match_prefix(toks[:16])  # nodes of 8, 8, 4
     handle = tree.inc_lock_ref(tree.match_prefix(toks).last_node)
-    assert handle.swa_locked_tokens == 12  # 4 + 8: the first node reaching the window stops it
-    assert (tree.full_protected_size(), tree.swa_protected_size()) == (20, 12)
+    # 4 + the last 4 of the middle node, which the lock splits: SGLang would lock all 8 of it
+    # (12 in all), a node more of live SWA than the window reads.
+    assert handle.swa_locked_tokens == 8
+    assert (tree.full_protected_size(), tree.swa_protected_size()) == (20, 8)
 
-    tree.match_prefix(toks[:12])  # split the middle node inside the SWA-locked range
+    tree.match_prefix(toks[:14])  # split a node inside the SWA-locked range
     _assert_ledgers_balance(alloc, tree)
     tree.dec_lock_ref(handle)
 

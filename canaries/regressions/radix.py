@@ -147,3 +147,12 @@ regression(
            "read that KV",
     caught_by=("clean-cache-hits",),
 )
+regression(
+    name="radix.swa-lock-whole-nodes", area="radix", file="engine_stub/mem/radix.py",
+    old="                if at > 0:\n                    self._split(n, at)",
+    new="                if at > 0 and False:\n                    self._split(n, at)",
+    models="the SWA lock takes whole nodes back to the window, as SGLang's does: with small chunks "
+           "a request holds up to a chunk more live SWA than admission reserved (a canary fuzz "
+           "finding: a healthy engine stalled mid-decode)",
+    caught_by=("clean-chunked-lock-one-window",),
+)

@@ -212,17 +212,29 @@ class SWARadixCache:
     def inc_lock_ref(self, node: TreeNode) -> LockHandle:
         """Lock `node`'s path: full KV up to the root, SWA KV for about one window.
 
-        The SWA lock climbs over live nodes until `window` tokens are covered, and stops at a
+        The SWA lock climbs over live nodes until `window` tokens are covered (the last node it
+        takes is split so that only the pages the window reads are locked), and stops at a
         tombstone. Pass the returned handle to `dec_lock_ref`.
         """
         swa_tokens, swa_open = 0, True
-        for n in self._up(node):
-            n.full_lock_ref += 1
+        n = node
+        while n is not self.root:
             swa_open = swa_open and not n.swa_tombstone
+            if swa_open:
+                # Lock only the tail of the node the window reads (whole pages): a whole node
+                # could hold up to a chunk more live SWA than the window, which admission never
+                # reserved (SGLang locks whole nodes; see docs/architecture.md).
+                need = self.window - swa_tokens
+                at = len(n.key) - -(-need // self.page_size) * self.page_size
+                if at > 0:
+                    self._split(n, at)  # n keeps the tail; its new parent, the head, n's old locks
+            n.full_lock_ref += 1
             if swa_open:
                 n.swa_lock_ref += 1
                 swa_tokens += len(n.key)
                 swa_open = swa_tokens < self.window
+            assert n.parent is not None
+            n = n.parent
         return LockHandle(node, swa_tokens)
 
     def dec_lock_ref(self, handle: LockHandle) -> None:
