@@ -554,8 +554,15 @@ class KVCanary:
         if self.enabled:
             self._oracle[rid] = token_id
 
-    def forget(self, rid: str) -> None:
-        self._oracle.pop(rid, None)
+    def forget(self, rid: str, last_token: int | None = None, position: int = -1, step: int = 0) -> None:
+        """Drop `rid`'s token oracle at its finish. Its last sampled token is never written to
+        KV, so `write` never checks it: `last_token` (what the request answers with) is checked
+        here instead (`write_token`, phase FINISH; no slot: -1)."""
+        expected = self._oracle.pop(rid, None)
+        if expected is not None and last_token is not None and last_token != expected:
+            self._host_violations.append(
+                CanaryViolation("write_token", "FULL", "FINISH", -1, -1, position, rid, last_token,
+                                expected, step))
 
     def write(self, reqs: list[CanaryRequest], req_to_token: torch.Tensor, step: int) -> None:
         """Record the new positions of every request (after the forward wrote their KV).

@@ -706,7 +706,8 @@ class Scheduler:
             self.chunked_req = None
         else:
             self.running.remove(req)
-        self.canary.forget(req.rid)
+        last = req.output_ids[-1] if req.output_ids else None
+        self.canary.forget(req.rid, last, req.prompt_len + len(req.output_ids) - 1, self.step_no)
         effect = NO_FINISH_EFFECT if self.perturber is None else self._hook(RequestFinish(ReqState.of(req)))
         if not effect.leak:
             self._release_kv(req)

@@ -338,8 +338,11 @@ class _LoopCanary:
         if self.enabled:
             self._oracle[rid] = token_id
 
-    def forget(self, rid: str) -> None:
-        self._oracle.pop(rid, None)
+    def forget(self, rid: str, last_token: int | None = None, position: int = -1, step: int = 0) -> None:
+        expected = self._oracle.pop(rid, None)
+        if expected is not None and last_token is not None and last_token != expected:
+            self._host_violations.append(CanaryViolation("write_token", "FULL", "FINISH", -1, -1, position,
+                                                         rid, last_token, expected, step))
 
     def write(self, reqs: list[CanaryRequest], req_to_token: torch.Tensor, step: int) -> None:
         """Record the new positions of every request (after the forward wrote their KV)."""
@@ -555,9 +558,9 @@ class _BothCanaries:
         self.batched.note_sampled(rid, token)
         self.loop.note_sampled(rid, token)
 
-    def forget(self, rid):
-        self.batched.forget(rid)
-        self.loop.forget(rid)
+    def forget(self, rid, *args):
+        self.batched.forget(rid, *args)
+        self.loop.forget(rid, *args)
 
     def collect(self, step, counts=None):
         got, want = self.batched.collect(step, counts), self.loop.collect(step)
@@ -676,3 +679,15 @@ def test_a_decode_step_reuses_the_last_tail_and_shares_the_writes_reads(engine: 
     assert plan.head is last_tail, "a decode's HEAD elements are the last step's TAIL elements"
     assert plan.write is not None and plan.write.in_tail is not None, "decode writes take the fused path"
     assert _violations(engine) == []
+
+
+def test_a_swapped_last_token_is_caught_at_the_finish(engine: Engine) -> None:
+    """The last sampled token is never written to KV, so the write-time oracle never sees it;
+    the finish compares what the request answers with against what the sampler gave."""
+    canary = engine.scheduler.canary
+    canary.note_sampled("r", 7)
+    canary.forget("r", 7, 10, 3)  # answered as sampled
+    canary.note_sampled("r", 7)
+    canary.forget("r", 9, 11, 4)  # swapped after the sampler
+    (violation,) = canary.collect(4)
+    assert (violation.reason, violation.phase, violation.stored, violation.expected) == ("write_token", "FINISH", 9, 7)
