@@ -30,10 +30,8 @@ from engine_stub.invariants import (
     InvariantCheckLevel,
     InvariantViolation,
     IsTrue,
-    drain_firings,
     expect,
     firing_from_device_assert,
-    hit_counts,
     reset_counters,
     set_default_level,
     set_firing_sink,
@@ -264,6 +262,9 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.crash is None:
+            with self.step_lock:
+                self.scheduler.drain_all_firings()  # nothing counted is lost at shutdown either
         self.scheduler.close_tracking()
         self.events.write("shutdown", durable=True, completed=self.completed, received=self.received)
         self.events.close()
@@ -309,7 +310,9 @@ class Engine:
                     with self.step_lock:
                         result = self.scheduler.idle_tick()
                         self._answer_orphans()
-                        drain_firings()  # the ledgers' firings and the answer ledger's
+                        # The ledgers' firings, the answer ledger's, and the backend's hits
+                        # counted after the last step's read-back.
+                        self.scheduler.drain_all_firings()
                     with self._cond:
                         self.last_idle = {**result, "after_step": self.scheduler.step_no}
                         self._cond.notify_all()
@@ -436,7 +439,7 @@ class Engine:
                     "radix_tokens": sched.tree_cache.total_size() if sched.tree_cache else 0,
                 },
                 "last_idle_check": self.last_idle,
-                "invariant_hits": hit_counts(),
+                "invariant_hits": sched.invariant_hit_totals(),
                 "drops": alloc.drop_counts(),
                 "kv_canary": {"mode": sched.canary.mode, **sched.canary.stats},
                 "exercise": {**sched.exercise_stats(),

@@ -41,6 +41,7 @@ from engine_stub.invariants import (
     counter_snapshot,
     drain_firings,
     expect,
+    hit_counts,
 )
 from engine_stub.kv_canary import CanaryRequest, CanaryViolation, KVCanary
 from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
@@ -798,6 +799,26 @@ class Scheduler:
                           firings=len(firings), violations=len(violations))
         if violations and self.canary.mode == "raise":
             raise CanaryRaised(violations)
+
+    def invariant_hit_totals(self) -> dict[str, int]:
+        """Every invariant's hit total, ours and the memory backend's (SGLang counts its own), by
+        name: a host read, for idle ticks, shutdown, crashes and `/state`."""
+        totals = hit_counts()
+        if self._extra_counters is not None:
+            names, extra = self._extra_counters()
+            if extra is not None:
+                for name, value in zip(names, extra.tolist(), strict=True):
+                    totals[name] = totals.get(name, 0) + int(value)
+        return totals
+
+    def drain_all_firings(self) -> list:
+        """Drain every counter increase not yet drained, the backend's included.
+
+        The step drains what its one read-back brought; a hit counted after that read (SGLang's
+        checks in a finish's frees, the last step before idle) would otherwise wait for a next
+        step that may never come. The engine calls this at every idle tick and at shutdown.
+        """
+        return drain_firings(self.invariant_hit_totals())
 
     def idle_tick(self) -> dict:
         """Check the conservation ledgers and the radix cache; returns the results."""
