@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ParityResult", "ParityRow", "expectations_path", "load_expectations", "run_parity"]
+__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "run_parity"]
 
 PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
 
@@ -96,7 +96,7 @@ def engine_sglang_version(engine_python: str) -> str:
     return proc.stdout.strip()
 
 
-def _detectors(record: Any) -> tuple[str, ...]:
+def detectors_of(record: Any) -> tuple[str, ...]:
     return tuple(sorted({f.get("detector") or f.get("name") for f in (record.firings or [])
                          if isinstance(f, dict)} - {None}))
 
@@ -113,7 +113,7 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict]) -> 
         s = by_name.get(n.scenario)
         if s is None:
             continue
-        same = (n.verdict, _detectors(n)) == (s.verdict, _detectors(s))
+        same = (n.verdict, detectors_of(n)) == (s.verdict, detectors_of(s))
         known = expected.get(n.scenario)
         if same:
             status, reason = "same", ""
@@ -122,7 +122,7 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict]) -> 
         else:
             status = "unexplained"
             reason = (f"recorded as {known['verdict']}, got {s.verdict}" if known else "")
-        rows.append(ParityRow(n.scenario, n.verdict, s.verdict, _detectors(n), _detectors(s),
+        rows.append(ParityRow(n.scenario, n.verdict, s.verdict, detectors_of(n), detectors_of(s),
                               _first_latency(n), _first_latency(s), status, reason))
     return rows
 

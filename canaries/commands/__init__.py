@@ -5,6 +5,6 @@ Each module has `add_parser(subparsers)`, which declares its arguments and sets 
 validate`, `list`, `schema` and `new` never import torch or an engine module that does.
 """
 
-COMMANDS = ("run", "list", "validate", "new", "schema", "diff", "report", "repro", "shrink", "bisect", "mutate", "parity", "fuzz", "gc")
+COMMANDS = ("run", "list", "validate", "new", "schema", "diff", "report", "repro", "shrink", "bisect", "mutate", "parity", "matrix", "fuzz", "gc")
 
 __all__ = ["COMMANDS"]

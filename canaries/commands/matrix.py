@@ -1,0 +1,115 @@
+"""`canary matrix`: the library on native and on each SGLang release's own memory path.
+
+    canary matrix --sglang 0.5.18,0.5.19,0.5.20,0.5.23 [-j N] [--report-dir DIR]
+    canary matrix --config configs/matrix/releases.yaml
+    canary matrix --last 0.5.23 --candidate 0.5.23+free-swa-contract-removed    # the gate
+
+Exit 0 when every cell is explained (or, as a gate, when no scenario that passed on `--last`
+fails on `--candidate`), 1 otherwise (naming the scenarios), 2 on bad arguments or a release
+that cannot be had, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from canaries.commands.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    load_scenarios,
+)
+
+__all__ = ["add_parser", "run", "read_config"]
+
+_CONFIG_FIELDS = {"sglang", "last", "candidate", "jobs"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    matrix = sub.add_parser("matrix", help="the library across SGLang releases (and as a pre-release gate)")
+    matrix.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
+    matrix.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
+    matrix.add_argument("--sglang", metavar="RELEASES",
+                        help="comma-separated releases, e.g. 0.5.18,0.5.23; VERSION+PATCH plants a "
+                             "catalogued patch in a throwaway copy")
+    matrix.add_argument("--config", metavar="FILE", help="a YAML file with sglang: [...] (and last, candidate, jobs)")
+    matrix.add_argument("--last", metavar="RELEASE", help="gate: the release the candidate must not fall behind")
+    matrix.add_argument("--candidate", metavar="RELEASE", help="gate: the release under test")
+    matrix.add_argument("--jobs", "-j", type=int, default=None, help="scenarios run at once (default 1)")
+    matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
+    matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
+    matrix.set_defaults(func=run)
+
+
+def read_config(path: str) -> dict:
+    """The matrix config file, checked: unknown fields and wrong types name the file and field."""
+    import yaml
+
+    file = Path(path)
+    try:
+        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: expected a mapping with a `sglang` list")
+    unknown = sorted(set(doc) - _CONFIG_FIELDS)
+    if unknown:
+        raise UsageError(f"{path}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_CONFIG_FIELDS))})")
+    releases = doc.get("sglang")
+    if not isinstance(releases, list) or not releases:
+        raise UsageError(f"{path}: sglang: a non-empty list of releases")
+    for key in ("last", "candidate"):
+        if key in doc and not isinstance(doc[key], str | float):
+            raise UsageError(f"{path}: {key}: a release, e.g. 0.5.23")
+    if "jobs" in doc and (not isinstance(doc["jobs"], int) or doc["jobs"] < 1):
+        raise UsageError(f"{path}: jobs: a positive integer")
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    from canaries.commands.run import select
+    from canaries.matrix import run_matrix
+    from canaries.releases import ReleaseError, parse_releases
+    from canaries.runner import RunInterrupted, default_report_dir, new_run_id
+
+    config = read_config(args.config) if args.config else {}
+    where = "--sglang" if args.sglang else f"{args.config}: sglang" if config else "--sglang"
+    raw = args.sglang or config.get("sglang") or []
+    last = args.last or (str(config["last"]) if "last" in config else None)
+    candidate = args.candidate or (str(config["candidate"]) if "candidate" in config else None)
+    if bool(last) != bool(candidate):
+        raise UsageError("the gate needs both --last and --candidate")
+    jobs = args.jobs or config.get("jobs") or 1
+    if jobs < 1:
+        raise UsageError("--jobs: at least 1")
+    try:
+        releases = parse_releases(raw, where=where) if raw else []
+        for extra in (last, candidate):  # the gate's two releases need not be listed again
+            if extra and extra not in [r.label for r in releases]:
+                releases += parse_releases([extra], where="--last/--candidate")
+        if not releases:
+            raise UsageError("name the releases: --sglang 0.5.20,0.5.23, --config FILE, or --last/--candidate")
+    except ReleaseError as exc:
+        raise UsageError(str(exc)) from None
+    scenarios = select(load_scenarios(args.paths), args.k)
+    if not scenarios:
+        raise UsageError("no scenario matches the selection")
+    report = Path(args.report_dir) if args.report_dir else default_report_dir(f"matrix-{new_run_id()}")
+    try:
+        result = run_matrix(scenarios, releases, report, jobs=jobs, build=not args.no_build,
+                            last=last, candidate=candidate)
+    except ReleaseError as exc:
+        raise UsageError(str(exc)) from None
+    except RunInterrupted:
+        print(f"canary: matrix interrupted; the columns run so far are under {report}/runs/")
+        return EXIT_INTERRUPTED
+    print(result.to_markdown())
+    print(f"report: {report} (matrix.md, matrix.json, matrix.html, runs/)")
+    if result.gate is not None and not result.gate.ok:
+        print(f"GATE FAILED: {len(result.gate.regressions)} scenario(s) pass on {last} and fail on "
+              f"{candidate}: {', '.join(result.gate.regressions)}")
+    return EXIT_OK if result.ok else EXIT_FAILED

@@ -1,0 +1,228 @@
+"""`canary matrix`: the library on our memory path and on each SGLang release's own.
+
+Runs the selection once on `memory: native` and once per release column on `memory: sglang`
+(every part of the memory path the release has), in that release's pinned venv, and puts each
+scenario x release cell beside the native verdict: `same`, `known` (the difference is recorded
+with its reason in configs/parity/sglang-<version>.yaml) or `unexplained`. Writes matrix.md,
+matrix.json and matrix.html; each column's run (verdicts, events, engine logs) is kept under
+`runs/<column>/`.
+
+As a pre-release gate (`last` and `candidate`), a scenario that passed on the last release and
+does not on the candidate is a regression: the gate fails and names it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from canaries.parity import compare, detectors_of, engine_sglang_version, load_expectations
+from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
+
+__all__ = ["Cell", "GateResult", "MatrixResult", "Column", "gate", "run_matrix"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One scenario on one column: its verdict and detectors, whether it passed, and how it
+    compares with the native verdict (`native` for the native column itself)."""
+
+    verdict: str
+    detectors: tuple[str, ...]
+    passed: bool
+    status: str  # native | same | known | unexplained
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Column:
+    """A release column as it ran: its spec, the sglang version its interpreter reported, the
+    interpreter, the memory parts that were SGLang's, its wall time and any planted diff."""
+
+    label: str
+    version: str
+    python: str
+    seconds: float
+    patches: tuple[str, ...] = ()
+    diff: str = ""
+    memory_parts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The pre-release verdict: `regressions` passed on `last` and fail on `candidate`."""
+
+    last: str
+    candidate: str
+    regressions: tuple[str, ...]
+    fixed: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+
+def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]]) -> GateResult:
+    """Compare two columns of `cells` (scenario -> column -> Cell)."""
+    regressions, fixed = [], []
+    for name, row in cells.items():
+        before, after = row.get(last), row.get(candidate)
+        if before is None or after is None:
+            continue
+        if before.passed and not after.passed:
+            regressions.append(name)
+        elif after.passed and not before.passed:
+            fixed.append(name)
+    return GateResult(last, candidate, tuple(regressions), tuple(fixed))
+
+
+@dataclass
+class MatrixResult:
+    columns: list[Column]
+    native_seconds: float
+    cells: dict[str, dict[str, Cell]]  # scenario -> "native" | column label -> Cell
+    gate: GateResult | None
+    report_dir: Path
+
+    @property
+    def unexplained(self) -> list[tuple[str, str]]:
+        return [(name, label) for name, row in self.cells.items() for label, cell in row.items()
+                if cell.status == "unexplained"]
+
+    @property
+    def native_failures(self) -> list[str]:
+        return [name for name, row in self.cells.items() if not row["native"].passed]
+
+    @property
+    def ok(self) -> bool:
+        """The gate decides when there is one; else every cell explained and native green."""
+        if self.gate is not None:
+            return self.gate.ok
+        return not self.unexplained and not self.native_failures
+
+    def to_dict(self) -> dict:
+        return {
+            "columns": [asdict(c) for c in self.columns],
+            "native_seconds": round(self.native_seconds, 1),
+            "scenarios": {name: {label: asdict(cell) for label, cell in row.items()}
+                          for name, row in self.cells.items()},
+            "unexplained": [{"scenario": s, "release": r} for s, r in self.unexplained],
+            "native_failures": self.native_failures,
+            "gate": asdict(self.gate) | {"ok": self.gate.ok} if self.gate else None,
+            "ok": self.ok,
+        }
+
+    def to_markdown(self) -> str:
+        labels = [c.label for c in self.columns]
+        lines = ["# Release matrix: native vs SGLang's own memory path", "",
+                 "| column | sglang | parts from SGLang | wall time |", "|---|---|---|---|",
+                 f"| native | - | - | {self.native_seconds:.0f}s |"]
+        for c in self.columns:
+            parts = ", ".join(k for k, v in c.memory_parts.items() if v.startswith("sglang")) or "?"
+            lines.append(f"| {c.label} | {c.version} | {parts} | {c.seconds:.0f}s |")
+        lines += ["", "| scenario | native | " + " | ".join(labels) + " |",
+                  "|---|---|" + "---|" * len(labels)]
+        for name, row in self.cells.items():
+            shown = [_cell_md(row[label]) if label in row else "-" for label in labels]
+            lines.append(f"| {name} | {row['native'].verdict} | " + " | ".join(shown) + " |")
+        lines += ["", "`=` same as native, `k` a known divergence (configs/parity/), `!` unexplained; "
+                  "a struck verdict did not pass the scenario's expectation.", ""]
+        for c in self.columns:
+            counts = {s: sum(row[c.label].status == s for row in self.cells.values() if c.label in row)
+                      for s in ("same", "known", "unexplained")}
+            lines.append(f"- {c.label}: {counts['same']} same, {counts['known']} known, "
+                         f"{counts['unexplained']} unexplained")
+        for name, label in self.unexplained:
+            cell = self.cells[name][label]
+            lines.append(f"- UNEXPLAINED {name} on {label}: native {self.cells[name]['native'].verdict} "
+                         f"{list(self.cells[name]['native'].detectors)}, {label} {cell.verdict} "
+                         f"{list(cell.detectors)} {cell.reason}".rstrip())
+        if self.gate is not None:
+            g = self.gate
+            lines += ["", f"## Gate: {g.last} -> {g.candidate}: {'PASS' if g.ok else 'FAIL'}"]
+            lines += [f"- REGRESSION {name}: passed on {g.last}, fails on {g.candidate} "
+                      f"({self.cells[name][g.candidate].verdict})" for name in g.regressions]
+            lines += [f"- fixed {name}: fails on {g.last}, passes on {g.candidate}" for name in g.fixed]
+        return "\n".join(lines) + "\n"
+
+
+def _cell_md(cell: Cell) -> str:
+    mark = {"same": "=", "known": "k", "unexplained": "!"}.get(cell.status, "")
+    verdict = cell.verdict if cell.passed else f"~~{cell.verdict}~~"
+    return f"{verdict} {mark}".strip()
+
+
+def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict) -> dict[str, Cell]:
+    passed = {r.scenario: r.passed for r in column}
+    out = {}
+    for row in compare(native, column, expected):
+        out[row.scenario] = Cell(row.sglang, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
+    return out
+
+
+def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
+    for record in records:
+        parts = (getattr(record, "extra", None) or {}).get("memory_parts")
+        if parts:
+            return dict(parts)
+    return {}
+
+
+def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
+               jobs: int = 1, progress: bool = True, build: bool = True,
+               last: str | None = None, candidate: str | None = None,
+               log: Callable[[str], None] = print) -> MatrixResult:
+    """Run the matrix into `report_dir`; see the module docstring."""
+    from canaries.report.atomic import write_atomic
+    from canaries.report.matrix_html import matrix_html
+    from canaries.runner import run_many
+    from canaries.runtime.warm import close_fork_server
+
+    labels = [r.label for r in releases]
+    for name, value in (("--last", last), ("--candidate", candidate)):
+        if value is not None and value not in labels:
+            raise ReleaseError(f"{name} {value}: not one of the columns ({', '.join(labels)})")
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    total = len(releases) + 1
+    # Venvs first: a release that cannot be had fails the run before anything runs.
+    pythons = {r.version: release_python(r.version, build=build, log=log,
+                                         build_log=report_dir / f"venv-{r.version}.log") for r in releases}
+    log(f"matrix [1/{total}] native: {len(scenarios)} scenarios")
+    t0 = time.monotonic()
+    native = run_many(scenarios, report_dir / "runs" / "native", jobs=jobs, progress=progress)
+    native_seconds = time.monotonic() - t0
+    cells: dict[str, dict[str, Cell]] = {
+        r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
+    columns = []
+    with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
+        for k, spec in enumerate(releases, start=2):
+            python, diff = pythons[spec.version], ""
+            if spec.patches:
+                python, diff = patched_interpreter(python, spec.version, spec.patches, Path(scratch) / spec.label)
+                write_atomic(report_dir / f"patch-{spec.label}.diff", diff.encode())
+            version = engine_sglang_version(str(python))
+            if version != spec.version:
+                raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
+            log(f"matrix [{k}/{total}] SGLang {spec.label}: {len(scenarios)} scenarios ({python})")
+            t0 = time.monotonic()
+            try:
+                records = run_many(scenarios, report_dir / "runs" / spec.label, jobs=jobs, progress=progress,
+                                   memory="sglang", engine_python=str(python))
+            finally:
+                close_fork_server(str(python))
+            columns.append(Column(spec.label, version, str(python), time.monotonic() - t0, spec.patches, diff,
+                                  _memory_parts(records)))
+            for name, cell in _cells(native, records, load_expectations(spec.version)).items():
+                cells[name][spec.label] = cell
+    verdict = gate(last, candidate, cells) if last and candidate else None
+    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir)
+    write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
+    write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
+    write_atomic(report_dir / "matrix.html", matrix_html(result).encode())
+    return result

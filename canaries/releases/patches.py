@@ -1,0 +1,137 @@
+"""Planted regressions of an installed SGLang release, applied to a throwaway copy.
+
+Like the engine's regression catalogue (`canaries/regressions/`), each entry names a file of
+the `sglang` package, an exact snippet that must occur once, and its replacement. A patched
+release runs from a mirror of the installed package: the directories on the patched files'
+paths are real, everything else is a symlink to the venv's own files, so the venv itself is
+never touched. A small wrapper interpreter puts the mirror first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from canaries.releases.spec import ReleaseError
+
+__all__ = ["SGLangPatch", "patch_catalogue", "patched_interpreter"]
+
+
+@dataclass(frozen=True)
+class SGLangPatch:
+    """One named edit of SGLang's sources.
+
+    Args:
+        name: what `VERSION+name` calls it.
+        file: path inside the `sglang` package (e.g. `srt/mem_cache/allocator/swa.py`).
+        old: exact text, occurring once in that release's file.
+        new: its replacement.
+        models: the regression it stands for.
+    """
+
+    name: str
+    file: str
+    old: str
+    new: str
+    models: str
+
+    def __post_init__(self) -> None:
+        if not self.old or self.old == self.new:
+            raise ReleaseError(f"patch {self.name}: old must be non-empty and differ from new")
+        if not self.file.endswith(".py") or self.file.startswith("/"):
+            raise ReleaseError(f"patch {self.name}: file must be a .py path inside the sglang package")
+
+    def apply(self, package_dir: Path, version: str) -> str:
+        """Edit `package_dir/file` (a real file in a mirror); return the unified diff."""
+        path = package_dir / self.file
+        text = path.read_text(encoding="utf-8")
+        count = text.count(self.old)
+        if count != 1:
+            raise ReleaseError(f"patch {self.name}: its snippet occurs {count} times in SGLang {version}'s "
+                               f"{self.file} (it must occur exactly once)")
+        edited = text.replace(self.old, self.new)
+        path.write_text(edited, encoding="utf-8")
+        return "".join(difflib.unified_diff(text.splitlines(True), edited.splitlines(True),
+                                            f"a/sglang/{self.file}", f"b/sglang/{self.file}"))
+
+
+_CATALOGUE = (
+    SGLangPatch(
+        name="identity",
+        file="srt/mem_cache/allocator/swa.py",
+        old="class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):\n",
+        new="# canary: a comment only; the code is the release's own (the gate's null control).\n"
+            "class SWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):\n",
+        models="no change at all: the same release run from a patched copy must gate as identical",
+    ),
+    SGLangPatch(
+        name="free-swa-contract-removed",
+        file="srt/mem_cache/allocator/swa.py",
+        old=("        swa_tokens = self.full_to_swa_index_mapping[full_page_representatives]\n"
+             "        expect(_SWA_PEER_MAPPED, swa_tokens > 0, msg=\"caller wants free_full\")\n"),
+        new="        swa_tokens = self.full_to_swa_index_mapping[full_page_representatives]\n",
+        models="PR #36723's free_swa contract (a peer must be mapped) dropped from the CPU path of "
+               "free_swa: a stripped or padding mapping is released unchecked",
+    ),
+)
+
+
+def patch_catalogue() -> dict[str, SGLangPatch]:
+    """Every planted SGLang patch, by name."""
+    return {p.name: p for p in _CATALOGUE}
+
+
+def _package_dir(python: Path) -> Path:
+    proc = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('sglang').origin)"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise ReleaseError(f"{python}: cannot locate its sglang package")
+    return Path(proc.stdout.strip()).parent
+
+
+def _mirror(source: Path, target: Path, real_paths: set[Path]) -> None:
+    """`target` mirrors `source`: real directories on `real_paths`, copies of the files to edit,
+    symlinks for everything else (never `__pycache__`: bytecode of an edited file must not land
+    in the venv's own cache)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in os.scandir(source):
+        rel = Path(entry.path)
+        dest = target / entry.name
+        if entry.name == "__pycache__":
+            continue
+        if rel in real_paths and entry.is_dir(follow_symlinks=False):
+            _mirror(rel, dest, real_paths)
+        elif rel in real_paths:
+            dest.write_bytes(rel.read_bytes())
+        else:
+            dest.symlink_to(entry.path)
+
+
+def patched_interpreter(python: Path, version: str, patch_names: tuple[str, ...], workdir: Path) -> tuple[Path, str]:
+    """A wrapper interpreter running `python` with its sglang patched by `patch_names`, under
+    `workdir`; returns it and the combined diff."""
+    catalogue = patch_catalogue()
+    unknown = [n for n in patch_names if n not in catalogue]
+    if unknown:
+        raise ReleaseError(f"unknown SGLang patch {', '.join(unknown)}; known: {', '.join(sorted(catalogue))}")
+    patches = [catalogue[n] for n in patch_names]
+    package = _package_dir(python)
+    real: set[Path] = set()
+    for patch in patches:
+        path = package / patch.file
+        if not path.is_file():
+            raise ReleaseError(f"patch {patch.name}: SGLang {version} has no {patch.file}")
+        real.update([path, *path.parents])
+    site = workdir / "site"
+    _mirror(package, site / "sglang", real)
+    diff = "".join(p.apply(site / "sglang", version) for p in patches)
+    wrapper = workdir / "bin" / "python"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{python}" "$@"\n',
+                       encoding="utf-8")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return wrapper, diff
