@@ -821,7 +821,11 @@ class Scheduler:
         return drain_firings(self.invariant_hit_totals())
 
     def idle_tick(self) -> dict:
-        """Check the conservation ledgers and the radix cache; returns the results."""
+        """Check the conservation ledgers and the radix cache; returns the results.
+
+        The backend's hits still pending are drained first: they happened before this tick,
+        and a ledger check that crashes the engine must not take them with it."""
+        self.drain_all_firings()
         if self.reach is not None and self.reach.open:
             held = self.tree_cache.held_slots().tolist() if self.tree_cache is not None else []
             self.reach.idle(held)

@@ -8,6 +8,7 @@ finish's frees, so these run without an installed sglang.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -73,3 +74,24 @@ def test_backend_hit_after_idle_tick_fires_before_shutdown(tmp_path: Path) -> No
     assert _fired_hits(tmp_path / "events.jsonl") == counter.hits
     last_firing = max(i for i, e in enumerate(events) if e["kind"] == "invariant_firing")
     assert events[-1]["kind"] == "shutdown" and last_firing < len(events) - 1
+
+
+def test_backend_hit_is_logged_before_an_idle_check_crash(tmp_path: Path) -> None:
+    engine, counter = _engine_with_late_counter(tmp_path)
+
+    def crashing_check() -> dict:
+        raise RuntimeError("planted: an idle ledger crashes the engine")
+
+    engine.start()
+    assert engine.wait_idle(30)  # the first idle tick, before any request
+    engine.scheduler.idle.check = crashing_check
+    engine.submit(list(range(1, 20)), 6, rid="r0")
+    deadline = time.monotonic() + 30
+    while engine.crash is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engine.stop()
+    assert engine.crash is not None and counter.hits > 0
+    events = read_events(tmp_path / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert _fired_hits(tmp_path / "events.jsonl") == counter.hits
+    assert max(i for i, k in enumerate(kinds) if k == "invariant_firing") < kinds.index("crash")
