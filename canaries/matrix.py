@@ -21,7 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canaries.parity import compare, detectors_of, engine_sglang_version, load_expectations
+from canaries.parity import (
+    compare,
+    detectors_of,
+    engine_sglang_version,
+    load_expectations,
+    lost_sglang_hits,
+)
 from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
 
 __all__ = ["Cell", "GateResult", "MatrixResult", "Column", "gate", "run_matrix"]
@@ -157,10 +163,11 @@ def _cell_md(cell: Cell) -> str:
     return f"{verdict} {mark}".strip()
 
 
-def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict) -> dict[str, Cell]:
+def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
     passed = {r.scenario: r.passed for r in column}
+    lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
     out = {}
-    for row in compare(native, column, expected):
+    for row in compare(native, column, expected, lost):
         out[row.scenario] = Cell(row.sglang, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
     return out
 
@@ -218,7 +225,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
                 close_fork_server(str(python))
             columns.append(Column(spec.label, version, str(python), time.monotonic() - t0, spec.patches, diff,
                                   _memory_parts(records)))
-            for name, cell in _cells(native, records, load_expectations(spec.version)).items():
+            for name, cell in _cells(native, records, load_expectations(spec.version),
+                                       report_dir / "runs" / spec.label).items():
                 cells[name][spec.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
     result = MatrixResult(columns, native_seconds, cells, verdict, report_dir)

@@ -10,6 +10,7 @@ else is unexplained and fails the run. Writes `parity.md` and `parity.json` besi
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "run_parity"]
+__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "lost_sglang_hits", "run_parity"]
 
 PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
 
@@ -96,6 +97,34 @@ def engine_sglang_version(engine_python: str) -> str:
     return proc.stdout.strip()
 
 
+_SGLANG_HIT_RE = re.compile(r"invariant-check \[([^@\]]+)@rank\d+\]: \+\d+ hit\(s\), (\d+) total")
+
+
+def lost_sglang_hits(run_dir: Path) -> str:
+    """What SGLang's own log says it counted that the engine never reported, or "".
+
+    SGLang logs `invariant-check [name@rankN]: +k hit(s), T total` on an invariant's first hit
+    and on a cadence after; every such total must be matched by the run's firings of `name`.
+    """
+    log, events = run_dir / "engine.log", run_dir / "events.jsonl"
+    if not log.is_file():
+        return ""
+    logged: dict[str, int] = {}
+    for match in _SGLANG_HIT_RE.finditer(log.read_text(encoding="utf-8", errors="replace")):
+        logged[match.group(1)] = max(logged.get(match.group(1), 0), int(match.group(2)))
+    if not logged:
+        return ""
+    fired: dict[str, int] = {}
+    if events.is_file():
+        for line in events.read_text(encoding="utf-8").splitlines():
+            if '"invariant_firing"' in line:
+                event = json.loads(line)
+                fired[event["invariant"]] = max(fired.get(event["invariant"], 0), int(event["total_hits"]))
+    lost = [f"{name} (SGLang logged {total}, the engine reported {fired.get(name, 0)})"
+            for name, total in sorted(logged.items()) if fired.get(name, 0) < total]
+    return "hits lost: " + "; ".join(lost) if lost else ""
+
+
 def detectors_of(record: Any) -> tuple[str, ...]:
     return tuple(sorted({f.get("detector") or f.get("name") for f in (record.firings or [])
                          if isinstance(f, dict)} - {None}))
@@ -106,7 +135,10 @@ def _first_latency(record: Any) -> int | None:
     return min(values) if values else None
 
 
-def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict]) -> list[ParityRow]:
+def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
+            lost: dict[str, str] | None = None) -> list[ParityRow]:
+    """One row per scenario; `lost` (scenario -> `lost_sglang_hits`) makes a row unexplained
+    whatever its verdict: a hit SGLang counted and the engine never reported."""
     by_name = {r.scenario: r for r in sglang}
     rows = []
     for n in native:
@@ -115,7 +147,9 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict]) -> 
             continue
         same = (n.verdict, detectors_of(n)) == (s.verdict, detectors_of(s))
         known = expected.get(n.scenario)
-        if same:
+        if (lost or {}).get(n.scenario):
+            status, reason = "unexplained", lost[n.scenario]
+        elif same:
             status, reason = "same", ""
         elif known and known.get("verdict") == s.verdict:
             status, reason = "known", str(known["reason"]).strip()
@@ -137,7 +171,8 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
     native = run_many(scenarios, report_dir / "native", jobs=jobs, progress=False)
     sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory="sglang",
                       engine_python=engine_python)
-    rows = compare(native, sglang, load_expectations(version))
+    lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
+    rows = compare(native, sglang, load_expectations(version), lost)
     result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir)
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(

@@ -1,0 +1,37 @@
+"""`canary parity` and `canary matrix` hold SGLang's own log against the engine's firings: a hit
+SGLang counted that the engine never reported makes the cell unexplained, whatever its verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from canaries.parity import compare, lost_sglang_hits
+
+SGLANG_LINE = "invariant-check [swa.peer_released@rank0]: +5 hit(s), 5 total. is_true: caller wants free\n"
+
+
+def _run_dir(tmp_path: Path, log: str, firings: list[tuple[str, int]]) -> Path:
+    tmp_path.joinpath("engine.log").write_text("engine_stub: ready\n" + log)
+    lines = [json.dumps({"kind": "invariant_firing", "invariant": name, "total_hits": total})
+             for name, total in firings]
+    tmp_path.joinpath("events.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_lost_sglang_hits_names_a_hit_the_engine_never_reported(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, SGLANG_LINE, [("idle.swa_ledger", 1)])
+    assert lost_sglang_hits(run) == "hits lost: swa.peer_released (SGLang logged 5, the engine reported 0)"
+
+
+def test_lost_sglang_hits_is_empty_when_every_hit_was_reported(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, SGLANG_LINE, [("swa.peer_released", 5)])
+    assert lost_sglang_hits(run) == ""
+
+
+def test_compare_marks_lost_hits_unexplained_even_with_the_same_verdict() -> None:
+    record = SimpleNamespace(scenario="s", verdict="DETECTED", firings=[{"name": "idle.swa_ledger"}], latency={})
+    rows = compare([record], [record], {}, {"s": "hits lost: swa.peer_released"})
+    assert rows[0].status == "unexplained" and "swa.peer_released" in rows[0].reason
+    assert compare([record], [record], {})[0].status == "same"
