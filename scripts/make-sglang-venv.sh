@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # Build (or refresh) a CPU-only virtual environment with SGLang's own KV allocator importable.
 #
-#     bash scripts/make-sglang-venv.sh [VENV]        # default: .venv-sglang in the repo root
+#     bash scripts/make-sglang-venv.sh [--version X] [VENV]
+#
+# Without --version: SGLang 0.5.23 into VENV, default .venv-sglang in the repo root (what CI
+# builds). With --version X: release X into VENV, default .venv-sglang-X in the repo root. Each
+# release's pinned import closure is configs/sglang/X.pins (one requirement a line, a comment
+# naming the module that first needs it); a release without a pins file is refused.
 #
 # What it installs, all pinned, in this order:
 #   1. torch==2.13.0, the local CPU build, with its own dependencies pinned. It goes first, and
 #      the script stops before downloading anything if pip would pick any build but `+cpu`, so
 #      no unpinned or CUDA torch ever lands here.
-#   2. sglang==0.5.23 with --no-deps (its metadata asks for torch==2.14.1, flashinfer, CUDA
-#      kernels, ...), then, also --no-deps, exactly the packages that the import of
-#      sglang.srt.mem_cache.allocator.swa, sglang.srt.mem_cache.memory_pool and
-#      sglang.srt.utils.invariants reaches (found by trial: import, read the
-#      ModuleNotFoundError, add). `pip check` therefore lists unmet requirements of sglang
-#      itself (the GPU stack) and of a few packages whose unused parts are never imported.
-#   3. torchvision==0.28.0 (the release paired with torch 2.13): sglang.srt.configs imports
-#      torchvision.transforms unconditionally (configs/nano_nemotron_vl.py ->
-#      multimodal/internvl_utils.py). PyPI has only CUDA builds of torchvision, whose _C.so
-#      lists libc10_cuda.so and libtorch_cuda.so as needed libraries; a CPU torch has neither,
-#      _C.so fails to load, and `import torchvision` dies with
+#   2. sglang==X with --no-deps (its metadata asks for flashinfer, CUDA kernels, ..., and
+#      0.5.23's for torch==2.14.1), then, also --no-deps, exactly the packages that the import check below reaches
+#      (found by trial: import, read the ModuleNotFoundError, add). `pip check` therefore lists
+#      unmet requirements of sglang itself (the GPU stack) and of a few packages whose unused
+#      parts are never imported. A venv that holds another sglang release is refused: its
+#      closure would mix with this one's.
+#   3. torchvision==0.28.0 (the release paired with torch 2.13), in every release's pins:
+#      sglang.srt.configs imports torchvision.transforms unconditionally (configs/
+#      nano_nemotron_vl.py -> multimodal/internvl_utils.py). PyPI has only CUDA builds of
+#      torchvision, whose _C.so lists libc10_cuda.so and libtorch_cuda.so as needed libraries;
+#      a CPU torch has neither, _C.so fails to load, and `import torchvision` dies with
 #      "operator torchvision::nms does not exist". The script compiles two tiny stand-ins for
 #      those two libraries (the 16 CUDA symbols _C.so references; each aborts if ever called,
 #      which cannot happen without a CUDA tensor) and a .pth hook that preloads them, with
@@ -26,42 +31,54 @@
 #      Needs gcc (on every machine of this kind).
 #
 # Idempotent: pinned packages already present are left alone, the stand-ins are rebuilt only
-# when their source changes. It ends by running the import check (and prints its time).
+# when their source changes. It ends by running the import check (and prints its time): the
+# allocator modules, the memory pool, the invariants, and the radix caches the release ships
+# (swa_radix_cache up to 0.5.20, unified_radix_cache with what it needs), plus the engine's
+# HTTP stack.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$REPO_ROOT/.venv-sglang}"
+DEFAULT_VERSION=0.5.23
 PYTHON_BIN="${PYTHON:-python3}"
+
+usage() { sed -n '4p' "${BASH_SOURCE[0]}" | sed 's/^# *//' >&2; }
+VERSION=""
+VENV=""
+while (($#)); do
+    case "$1" in
+        --version) VERSION="${2:?--version needs a release, e.g. 0.5.18}"; shift 2 ;;
+        --version=*) VERSION="${1#--version=}"; shift ;;
+        -h | --help) usage; exit 0 ;;
+        -*) echo "make-sglang-venv: unknown option $1" >&2; usage; exit 2 ;;
+        *)
+            [[ -z "$VENV" ]] || { echo "make-sglang-venv: one VENV only" >&2; usage; exit 2; }
+            VENV="$1"; shift ;;
+    esac
+done
+if [[ -z "$VERSION" ]]; then
+    VERSION="$DEFAULT_VERSION"
+    VENV="${VENV:-$REPO_ROOT/.venv-sglang}"
+else
+    VENV="${VENV:-$REPO_ROOT/.venv-sglang-$VERSION}"
+fi
 
 TORCH_PIN=(
     torch==2.13.0
     filelock==4.3.1 typing-extensions==4.16.0 setuptools==84.2.1 sympy==1.14.0 mpmath==1.3.0
     networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0
 )
-# The import closure of the allocator modules, each with the module that first needs it.
-SGLANG_PINS=(
-    sglang==0.5.23
-    numpy==2.4.6 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1        # sglang.srt.utils.common
-    requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset-normalizer==3.5.3
-    triton==3.3.1                                                     # utils.common: import triton
-    packaging==26.4 pillow==13.0.0
-    starlette==1.10.0 anyio==4.16.0                                   # utils.common
-    msgspec==0.23.0                                                   # srt.platforms
-    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-    pyzmq==27.3.0                                                     # utils.network
-    tqdm==4.70.1                                                      # sglang.lang.interpreter
-    ipython==9.18.1 traitlets==5.16.1 pygments==2.21.0                # sglang.utils
-    aiohttp==3.14.5 multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 propcache==0.5.4
-    aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0        # lang.backend.runtime_endpoint
-    transformers==5.19.0 regex==2026.11.19 huggingface-hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2
-    truststore==0.10.5 h11==0.16.0 pyyaml==6.0.4 safetensors==0.8.0 tokenizers==0.23.3  # srt.configs
-    torchvision==0.28.0                                               # multimodal.internvl_utils
-    dill==0.4.1                                                       # sampling.custom_logit_processor
-    apache-tvm-ffi==0.1.11                                            # kernels.ops.communication
-    sentencepiece==0.2.1                                              # configs.internvl
-    compressed-tensors==0.18.0 loguru==0.7.3                          # layers.quantization
-    gguf==0.19.0                                                      # layers.quantization.gguf
-)
+# The import closure of the release, each pin with the module that first needs it.
+PINS_FILE="$REPO_ROOT/configs/sglang/$VERSION.pins"
+if [[ ! -f "$PINS_FILE" ]]; then
+    echo "make-sglang-venv: no pins for sglang $VERSION ($PINS_FILE); releases with pins:" \
+        "$(cd "$REPO_ROOT/configs/sglang" && ls -- *.pins | sed 's/\.pins$//' | tr '\n' ' ')" >&2
+    exit 2
+fi
+mapfile -t SGLANG_PINS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$PINS_FILE")
+if ! printf '%s\n' "${SGLANG_PINS[@]}" | grep -qxF "sglang==$VERSION"; then
+    echo "make-sglang-venv: $PINS_FILE does not pin sglang==$VERSION" >&2
+    exit 2
+fi
 # What engine_stub itself needs to serve from this venv (--engine-python): its HTTP stack.
 ENGINE_PINS=(fastapi==0.165.0 uvicorn==0.54.0 click==8.5.1 annotated-doc==0.0.7 opentelemetry-api==1.45.2)
 
@@ -73,6 +90,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --quiet --disable-pip-version-check)
+installed="$("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null || true)"
+if [[ -n "$installed" && "$installed" != "$VERSION" ]]; then
+    log "$VENV holds sglang $installed, not $VERSION; refusing to mix their closures (pick another VENV)"
+    exit 1
+fi
 
 # Every pip call below carries this constraint: nothing may move torch off 2.13.0.
 CONSTRAINTS="$VENV/.sglang-venv-constraints.txt"
@@ -98,7 +120,7 @@ if [[ "$torch_version" != "2.13.0+cpu" ]]; then
 fi
 
 # ---- 2. sglang and its import closure, no dependency resolution ------------------------------
-log "installing sglang==0.5.23 and its import closure (${#SGLANG_PINS[@]} pins, --no-deps)"
+log "installing sglang==$VERSION and its import closure (${#SGLANG_PINS[@]} pins from ${PINS_FILE#"$REPO_ROOT"/}, --no-deps)"
 "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${SGLANG_PINS[@]}"
 log "installing the engine's own HTTP stack (${ENGINE_PINS[*]}, --no-deps)"
 "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${ENGINE_PINS[@]}"
@@ -202,7 +224,11 @@ echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_s
 
 # ---- the import check ------------------------------------------------------------------------
 log "import check"
-"$PY" - <<'EOF'
+SGLANG_VERSION="$VERSION" "$PY" - <<'EOF'
+import importlib
+import importlib.metadata as md
+import importlib.util
+import os
 import time
 import warnings
 
@@ -219,11 +245,25 @@ from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.utils import invariants
 
+# The radix caches: each must import where the release ships it (0.5.23 has no swa_radix_cache).
+RADIX = {
+    "sglang.srt.mem_cache.swa_radix_cache": "SWARadixCache",
+    "sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache",
+}
+RADIX_NEEDS = ["sglang.srt.mem_cache.unified_cache", "sglang.srt.mem_cache.cache_init_params",
+               "sglang.srt.mem_cache.base_prefix_cache", "sglang.srt.mem_cache.radix_cache"]
+shipped = [name for name in RADIX if importlib.util.find_spec(name) is not None]
+assert "sglang.srt.mem_cache.unified_radix_cache" in shipped, "no unified_radix_cache in this sglang"
+for name in shipped:
+    getattr(importlib.import_module(name), RADIX[name])
+for name in RADIX_NEEDS:
+    importlib.import_module(name)
+
 import fastapi, uvicorn, yaml  # noqa: E401,F401 - the engine serves from this venv too
 
 total = time.perf_counter() - t0
 assert torch.version.cuda is None and torch.__version__ == "2.13.0+cpu", torch.__version__
-import importlib.metadata as md
+assert md.version("sglang") == os.environ["SGLANG_VERSION"], md.version("sglang")
 
 import torchvision
 from torchvision.ops import nms
@@ -233,6 +273,7 @@ assert nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5).tolist() == [0, 2]
 print(
     f"sglang {md.version('sglang')} allocator import OK on torch {torch.__version__}, "
     f"torchvision {torchvision.__version__} (CPU ops work): {total:.2f} s "
-    f"(import torch {t_torch:.2f} s, sglang after it {total - t_torch:.2f} s)"
+    f"(import torch {t_torch:.2f} s, sglang after it {total - t_torch:.2f} s); "
+    f"radix caches: {', '.join(RADIX[name] for name in shipped)}"
 )
 EOF
