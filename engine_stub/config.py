@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 KNOB_HELP: dict[str, str] = {
     "device": "auto | cpu | cuda (auto: cuda when available)",
-    "memory": "native (our copy of SGLang's allocator) | sglang (SGLang's own, from an installed sglang)",
+    "memory": "native (our copy of SGLang's memory path) | sglang (SGLang's own allocator, radix tree and "
+              "req-to-token pool, from an installed sglang) | sglang-allocator (SGLang's allocator only)",
     "page_size": "slots per KV page, both pools",
     "window": "sliding-window size in tokens of the SWA layers",
     "full_pool_tokens": "slots in the full-attention KV pool",
@@ -57,7 +58,7 @@ KNOB_HELP: dict[str, str] = {
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
-    "memory": ("native", "sglang"),
+    "memory": ("native", "sglang", "sglang-allocator"),
     "invariant_check": ("off", "warn", "strict"),
     "kv_canary": ("off", "log", "raise"),
 }

@@ -91,13 +91,49 @@ class CanaryRaised(RuntimeError):
 
 def _memory_backend(name: str):
     """The hybrid allocator class of a `memory` knob value: ours, or SGLang's own behind an
-    adapter (imported only when chosen: it needs an installed sglang)."""
-    if name == "sglang":
+    adapter (`sglang`, `sglang-allocator`; imported only when chosen: it needs an installed
+    sglang)."""
+    if name in ("sglang", "sglang-allocator"):
         from engine_stub.mem.sglang_backend import SGLangSWAAllocator, set_level_from
 
         set_level_from()
         return SGLangSWAAllocator
     return SWATokenToKVPoolAllocator
+
+
+def _req_to_token_backend(name: str):
+    """The request-row table of a `memory` knob value: SGLang's own only for `sglang`."""
+    if name == "sglang":
+        from engine_stub.mem.sglang_req_to_token import SGLangReqToTokenPool
+
+        return SGLangReqToTokenPool
+    return ReqToTokenPool
+
+
+def _tree_cache(config: EngineConfig, allocator: Any, req_to_token_pool: Any) -> Any:
+    """The radix cache of a config with one: SGLang's own tree for `memory: sglang`, else ours."""
+    if config.memory == "sglang":
+        from engine_stub.mem.sglang_tree import SGLangRadixCache
+
+        return SGLangRadixCache(allocator, req_to_token_pool, config.page_size, config.window,
+                                chunked_prefill_size=config.prefill_chunk_tokens)
+    return SWARadixCache(allocator, config.page_size, config.window)
+
+
+def memory_parts(config: EngineConfig) -> dict[str, str | None]:
+    """Whose each part of the memory path is: `native` or `sglang-<version>` (the installed
+    release), per part (`allocator`, `radix_cache`: None without one, `req_to_token`).
+
+    `memory: sglang` is every part the release has; `sglang-allocator` its allocator only."""
+    sglang = None
+    if config.memory != "native":
+        from engine_stub.mem.sglang_backend import sglang_version
+
+        sglang = f"sglang-{sglang_version()}"
+    every = sglang if config.memory == "sglang" else "native"
+    return {"allocator": sglang or "native",
+            "radix_cache": every if config.radix_cache else None,
+            "req_to_token": every}
 
 
 def _page_floor(n: int, page: int) -> int:
@@ -142,14 +178,17 @@ class Scheduler:
         self.reach = perturber.attach(self) if perturber is not None else None
         if self.reach is not None:
             self.allocator = perturber.tracking(self.allocator)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.max_context_len, self.device)
+        self.req_to_token_pool = _req_to_token_backend(config.memory)(
+            config.max_running_requests, config.max_context_len, self.device)
         self.model = TinyHybridModel(
             ModelConfig(config.layer_pattern, config.window, config.hidden_size, config.num_heads, config.seed),
             self.device,
         )
         self.tree_cache = (
-            SWARadixCache(self.allocator, config.page_size, config.window) if config.radix_cache else None
+            _tree_cache(config, self.allocator, self.req_to_token_pool) if config.radix_cache else None
         )
+        # Whose each part of the memory path is (native, or sglang-<version>).
+        self.memory_parts = memory_parts(config)
         self.canary = KVCanary(config.kv_canary, self.kv_pool, config.window, config.kv_canary_sweep_interval)
         self.idle = IdleChecker(self, strict=config.strict_mem_check_during_idle)
         self.perturber = perturber

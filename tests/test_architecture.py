@@ -53,6 +53,9 @@ ALLOWED = {
     "engine_stub.req": set(),
     # The sglang backend maps SGLang's firings onto catalogued detectors.
     "engine_stub.mem.sglang_backend": {"engine_stub.invariants", "engine_stub.mem", "engine_stub.detectors"},
+    # SGLang's radix tree and request-row table behind ours' interfaces (memory: sglang).
+    "engine_stub.mem.sglang_tree": {"engine_stub.mem.radix"},
+    "engine_stub.mem.sglang_req_to_token": set(),
     "engine_stub.mem": {"engine_stub.invariants", "engine_stub.mem"},
     "engine_stub.model": {"engine_stub.mem"},
     "engine_stub.kv_canary": {"engine_stub.mem"},
