@@ -329,6 +329,9 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                       timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
                       error=error)
     record = judge(scenario, obs)
+    # Whose each part of the memory path was (ours, or an SGLang release's), as the engine said.
+    start = next((e for e in events if e.get("kind") == "engine_start"), None) or {}
+    record.extra["memory_parts"] = start.get("memory_parts")
     if cancelled:
         record = _interrupted(record)
     duration = round(time.monotonic() - started, 3)

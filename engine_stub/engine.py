@@ -106,7 +106,8 @@ class Engine:
         self._hang_up_ready: set[str] = set()
         self.events.write("engine_start", config=config.knobs(),
                           config_sources=dict(config.sources), torch=torch.__version__,
-                          device=str(self.scheduler.device), pid=os.getpid())
+                          device=str(self.scheduler.device), pid=os.getpid(),
+                          memory_parts=self.scheduler.memory_parts)
 
     # ---- submission ---------------------------------------------------------------------------
 
