@@ -173,11 +173,14 @@ def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir
 
 
 def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
+    """Whose each part was over a column's runs (a part no scenario had, e.g. the radix cache
+    of a column of radix-less scenarios, is absent)."""
+    merged: dict[str, str] = {}
     for record in records:
-        parts = (getattr(record, "extra", None) or {}).get("memory_parts")
-        if parts:
-            return dict(parts)
-    return {}
+        for part, owner in ((getattr(record, "extra", None) or {}).get("memory_parts") or {}).items():
+            if owner and (part not in merged or owner.startswith("sglang")):
+                merged[part] = owner
+    return merged
 
 
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,

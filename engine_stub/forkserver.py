@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -89,6 +90,8 @@ def _preload() -> None:
     """Import the extra modules the harness named (e.g. SGLang's allocator: seconds to import)."""
     for name in filter(None, os.environ.pop(PRELOAD_ENV, "").split(",")):
         try:
+            if importlib.util.find_spec(name) is None:  # not in this release: nothing to warm
+                continue
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the engine reports it where it needs the module
             print(f"engine_stub forkserver: could not preload {name}: {exc}", file=sys.stderr)

@@ -42,9 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")
     run_.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     run_.add_argument("--shard", metavar="I/N", help="run every Nth scenario starting at I-1")
-    run_.add_argument("--memory", choices=("native", "sglang"), default=None,
-                      help="override every scenario's memory backend: native (our copy) or sglang "
-                           "(SGLang's own allocator; needs --engine-python with sglang installed)")
+    run_.add_argument("--memory", choices=("native", "sglang", "sglang-allocator"), default=None,
+                      help="override every scenario's memory backend: native (our copy), sglang "
+                           "(every part of the memory path the installed release has: allocator, radix "
+                           "tree, request-to-token table) or sglang-allocator (its allocator only); "
+                           "sglang* need --engine-python with sglang installed")
     run_.add_argument("--engine-python", metavar="PATH", default=None,
                       help="the interpreter engines run under (local runtime), e.g. "
                            ".venv-sglang/bin/python from scripts/make-sglang-venv.sh")
@@ -193,7 +195,7 @@ def check_engine_python(engine_python: str | None, memory: str | None, runtime: 
             raise UsageError("--engine-python is for the local runtime")
         if not os.access(engine_python, os.X_OK):
             raise UsageError(f"--engine-python {engine_python}: not an executable")
-    if memory == "sglang":
+    if memory in ("sglang", "sglang-allocator"):
         if runtime != "local":
             raise UsageError("--memory sglang runs on the local runtime (the engine image has no sglang)")
         python = engine_python or sys.executable

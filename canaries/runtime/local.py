@@ -101,7 +101,13 @@ def spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[st
 
 
 # Imported by a warm parent ahead of the fork when the engine will need them (they are slow).
-PRELOAD = {"sglang": ("sglang.srt.mem_cache.allocator.swa",)}
+_SGLANG_ALLOCATOR = ("sglang.srt.mem_cache.allocator.swa",)
+# A release ships one tree or both (swa_radix_cache up to 0.5.20): a module it lacks is skipped.
+PRELOAD = {
+    "sglang": (*_SGLANG_ALLOCATOR, "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.unified_radix_cache",
+               "sglang.srt.mem_cache.swa_radix_cache"),
+    "sglang-allocator": _SGLANG_ALLOCATOR,
+}
 
 
 class LocalRuntime:
