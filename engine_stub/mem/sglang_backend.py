@@ -1,7 +1,7 @@
 """The `sglang` memory backend: SGLang's own `SWATokenToKVPoolAllocator`, from an installed
 `sglang`, behind the interface the engine uses for ours.
 
-The adapter maps the engine's calls onto the installed version's API (0.5.23: `alloc_extend` and
+The adapter maps the engine's calls onto the installed release's API (`alloc_extend` and
 `alloc_decode` take device and CPU length tensors), hands SGLang a `BaseSWAKVPool` that only
 forwards the mapping to our `HybridKVPool` (SGLang never touches K/V bytes here), and turns
 SGLang's invariant signals into our firings: its counters (`name@rankN`, read with the step's
@@ -9,10 +9,45 @@ one device-to-host copy) and its crash messages (`invariant-check FAILED [name]:
 
 Only this module imports `sglang`, and only when the backend is chosen. What SGLang lacks (it
 drops no bad free: a double free is recycled) is SGLang's behaviour, reported as it is.
+
+Releases (0.5.18, 0.5.19, 0.5.20, 0.5.23; one venv each, scripts/make-sglang-venv.sh --version).
+The adapter detects each difference by capability, never by version string, and where a
+release lacks a call the engine makes, does what that release's own code did at that point
+(paths under sglang/srt/mem_cache/):
+
+| engine call | 0.5.18 | 0.5.19 | 0.5.20, 0.5.23 |
+| --- | --- | --- | --- |
+| `free_full` | no such method: `impl.free` (1) | `free_full`, no check | `free_full`, `swa.peer_released` |
+| `clear_full_to_swa_mapping` | no such method: zeros written into the mapping (2) | native | native |
+| `free_swa` | a zero entry filtered out; in a group the mapping is read at group end | filtered, read at enqueue | `swa.peer_mapped` (page 1) |
+| `free_group` | an empty list outside a group: read as None (3) | native | native |
+| `backup_state` | none (4) | none | none |
+
+(1) 0.5.18 frees a full side alone with `free`, relying on `free_swa`'s `> 0` filter of entries
+    already zeroed: swa_radix_cache.py `SWARadixCache.evict`, `_iteratively_delete_tombstone_leaf`
+    and `_insert_helper`'s tombstone branches; chunk_cache.py `ChunkCache.cache_finished_req`
+    frees a finished row, window-evicted prefix included, the same way. A slot whose peer is
+    still mapped therefore loses its peer too, where 0.5.19's `free_full` strands it and 0.5.20's
+    counts `swa.peer_released`.
+(2) As 0.5.18's swa_radix_cache.py `_recover_tombstone_keeping_locked_full` and allocator/swa.py
+    `alloc_extend_swa_tail` clear entries: `full_to_swa_index_mapping[indices] = 0`.
+(3) 0.5.18 marks a group with `is_not_in_free_group`; ours, 0.5.19's and later use None.
+(4) No release's hybrid allocator has `backup_state`/`restore_state` (the engine never calls
+    them on this backend); the adapter raises NotImplementedError rather than imitate one.
+
+`alloc`, `alloc_extend`, `alloc_decode`, `new_pages_available`, `set_full_to_swa_mapping`,
+`free`, `free_group_begin`/`end` and `merge_and_sort_free` are native in all four; the length
+parameters of `alloc_extend`/`alloc_decode` are checked at construction. Pages (page_size > 1)
+need a CUDA device before 0.5.23: allocator/paged.py `alloc_extend`/`alloc_decode` launch their
+Triton kernels unconditionally (0.5.23 has `use_triton_kernels` and a torch path), so there the
+adapter refuses a CPU device at construction instead of crashing at the first allocation.
+Invariants: 0.5.18 and 0.5.19 register none of ours (no `swa.*`), so their counters read as
+none; 0.5.20 and 0.5.23 register `swa.peer_mapped` and `swa.peer_released`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from typing import Any
@@ -24,6 +59,9 @@ __all__ = ["SGLangSWAAllocator", "sglang_version", "SGLANG_LEVEL_ENV", "sglang_c
 SGLANG_LEVEL_ENV = "SGLANG_INVARIANT_CHECK"  # an integer there: 0 off, 1 warn, 2 strict
 _LEVELS = {"off": 0, "warn": 1, "strict": 2}
 _CRASH_RE = re.compile(r"invariant-check FAILED \[([^\]]+)\]")
+# The length parameters the adapter passes, in order (every release from 0.5.18 to 0.5.23).
+_EXTEND_PARAMS = ("prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc", "extend_num_tokens")
+_DECODE_PARAMS = ("seq_lens", "seq_lens_cpu", "last_loc")
 
 
 def sglang_version() -> str | None:
@@ -116,6 +154,19 @@ class SGLangSWAAllocator:
         self.full_attn_allocator = self.impl.full_attn_allocator
         self.swa_attn_allocator = self.impl.swa_attn_allocator
         self._zero_drops = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for name, expected in (("alloc_extend", _EXTEND_PARAMS), ("alloc_decode", _DECODE_PARAMS)):
+            params = tuple(inspect.signature(getattr(self.impl, name)).parameters)
+            if params != expected:
+                raise TypeError(f"SGLang {self.version}'s {name}{params} is not the {expected} this "
+                                "adapter passes")
+        if page_size > 1 and self.device.type != "cuda" and not hasattr(self.full_attn_allocator,
+                                                                        "use_triton_kernels"):
+            raise NotImplementedError(
+                f"SGLang {self.version}'s PagedTokenToKVPoolAllocator launches its Triton kernels "
+                "(alloc_extend_kernel, alloc_decode_kernel) on every page allocation and has no "
+                f"CPU path: page_size {page_size} needs a CUDA device with this release")
+        # The release's own way to release a full side alone (module docstring, note 1).
+        self._free_full = getattr(self.impl, "free_full", self.impl.free)
 
     # ---- sizes and mapping ---------------------------------------------------------------------
 
@@ -147,7 +198,11 @@ class SGLangSWAAllocator:
         self.impl.set_full_to_swa_mapping(full_indices, swa_indices)
 
     def clear_full_to_swa_mapping(self, full_indices: torch.Tensor) -> None:
-        self.impl.clear_full_to_swa_mapping(full_indices)
+        """Unpair `full_indices` (0.5.18 has no method for it: the zeros its tree writes)."""
+        if hasattr(self.impl, "clear_full_to_swa_mapping"):
+            self.impl.clear_full_to_swa_mapping(full_indices)
+        elif full_indices.numel():
+            self.impl.full_to_swa_index_mapping[full_indices.to(torch.int64)] = 0
 
     # ---- alloc ---------------------------------------------------------------------------------
 
@@ -181,7 +236,9 @@ class SGLangSWAAllocator:
         self._bounded(self.impl.free_swa, free_index.to(torch.int64))
 
     def free_full(self, free_index: torch.Tensor) -> None:
-        self._bounded(self.impl.free_full, free_index.to(torch.int64))
+        """Release the full side of slots whose SWA peers are gone: the release's `free_full`, or
+        on 0.5.18, which has none, its `free` (module docstring, note 1)."""
+        self._bounded(self._free_full, free_index.to(torch.int64))
 
     def free_group_begin(self) -> None:
         self.impl.free_group_begin()
@@ -213,6 +270,9 @@ class SGLangSWAAllocator:
 
     @property
     def free_group(self) -> Any:
+        """The open free group's pending frees, None outside a group (as ours)."""
+        if getattr(self.impl, "is_not_in_free_group", False):  # 0.5.18 keeps [] outside a group
+            return None
         return self.impl.free_group
 
     def merge_and_sort_free(self) -> None:
@@ -220,15 +280,24 @@ class SGLangSWAAllocator:
             side.merge_and_sort_free()
 
     def backup_state(self) -> Any:
-        return self.impl.backup_state()
+        """The release's allocator snapshot; none of 0.5.18-0.5.23 has one (NotImplementedError)."""
+        return self._native("backup_state")()
 
     def restore_state(self, state: Any) -> None:
-        self.impl.restore_state(state)
+        """Restore a `backup_state` snapshot, where the release has one."""
+        self._native("restore_state")(state)
+
+    def _native(self, name: str) -> Any:
+        call = getattr(self.impl, name, None)
+        if call is None:
+            raise NotImplementedError(f"SGLang {self.version}'s SWATokenToKVPoolAllocator has no {name}")
+        return call
 
     # ---- what SGLang does not have -------------------------------------------------------------
 
     def drop_counts(self) -> dict[str, dict[str, int]]:
-        """SGLang 0.5.23 drops no bad free (it recycles them): nothing is ever counted."""
+        """Always zero: no release from 0.5.18 to 0.5.23 drops a bad free. Their token and paged
+        allocators keep no bitmap; a double free or a foreign id goes back on the free list."""
         zero = {"double_free": 0, "out_of_pool": 0, "reserved": 0}
         return {"full": dict(zero), "swa": dict(zero)}
 
@@ -242,7 +311,8 @@ class SGLangSWAAllocator:
 
     @staticmethod
     def invariant_counters() -> tuple[list[str], torch.Tensor | None]:
-        """SGLang's per-invariant hit counters (`name@rankN` keys, the rank dropped), on device."""
+        """SGLang's per-invariant hit counters (`name@rankN` keys, the rank dropped), on device;
+        ([], None) while it has counted none of ours (0.5.18 and 0.5.19 register none)."""
         from sglang.srt.utils import invariants
 
         from engine_stub.detectors import detector_names
@@ -250,8 +320,8 @@ class SGLangSWAAllocator:
         # Only the invariants of the allocator built here: SGLang registers others (e.g.
         # unified_swa.*) for allocators this engine never builds.
         ours = set(detector_names())
-        kept = [(key.split("@", 1)[0], t) for key, t in invariants._reporter._dev.items()
-                if key.split("@", 1)[0] in ours]
+        counters = getattr(getattr(invariants, "_reporter", None), "_dev", {})
+        kept = [(key.split("@", 1)[0], t) for key, t in counters.items() if key.split("@", 1)[0] in ours]
         if not kept:
             return [], None
         return [name for name, _ in kept], torch.cat([t.reshape(1) for _, t in kept])
