@@ -49,6 +49,17 @@ release, `evict_for_alloc(EvictParams)`. Per release, where the API differs:
 - Eviction: our scheduler passes the shortfalls of both pools, which is what SGLang's
   `evict_from_tree_cache` hands `evict_for_alloc` (0.5.19+) or `evict` (0.5.18).
 
+Not taken from those entry points: at a finish, 0.5.23's `checkpoint_into_tree` locks the
+node its insert ended on and `release_kv_cache` unlocks it at once (only the SWA boundary uuid
+it stamps survives); the positions past an SWA branching point are freed with our allocator's
+`free_full` / `free` rather than SGLang's `free_kv_row` segment frees; the request-side SWA
+frees of `free_out_of_window_slots` are our scheduler's window eviction. That last one matters
+on 0.5.20: our scheduler moves a chunked prompt's frontier to `kv_len - window` before
+`cache_unfinished`, where SGLang measures it from the key it inserts, which SWA branching cuts
+back to the branch point. A branch point inside a cached tombstone then gets no live copy, the
+re-match stops short of it and 0.5.20's own assert (`new_prefix_len <= len(new_indices)`)
+fails; 0.5.23 locks the insert's node instead of re-matching and does not reach it.
+
 The other deliberate differences of docs/architecture.md are ours, not this tree's: SGLang's
 SWA lock takes whole nodes back to the window (tombstones included), SGLang's insert caps a new
 leaf at one window, a leaf may be an SWA tombstone (released early, or SWA-evicted first), and
@@ -61,7 +72,8 @@ are not readable there and `CachedPath.token_ids` stays empty (no caller reads t
 
 The tree's frees and mapping edits go through our scheduler's allocator (so reachability and
 `alloc.pool_bound` see them) where it has the method: `free`, `free_swa`, `free_full` and the
-mapping calls. The segment frees (`free_segment`, `free_full_segment`, `free_swa_segment`,
+mapping calls (`translate_swa_indices_for_transfer` as the `translate_loc_from_full_to_swa` it
+is on this allocator). The segment frees (`free_segment`, `free_full_segment`, `free_swa_segment`,
 `free_segments`, and the full side's `full_attn_allocator.free_segment`) are not in our
 allocator interface and go straight to SGLang's allocator: reachability does not see them.
 
@@ -91,6 +103,9 @@ _ROUTED_CALLS = frozenset({
     "translate_loc_from_full_to_swa", "free_segment", "free_full_segment", "free_swa_segment",
     "free_segments",
 })
+# SGLang's static SWA allocator answers this one with `translate_loc_from_full_to_swa` (0.5.20+,
+# `allocator/swa.py`): routed as that call, so reachability sees the tree read the mapping.
+_ROUTED_ALIASES = {"translate_swa_indices_for_transfer": "translate_loc_from_full_to_swa"}
 
 
 @dataclass(frozen=True)
@@ -152,8 +167,8 @@ def _engine_routed_allocator(engine_allocator: Any) -> Any:
         def __getattribute__(self, name: str) -> Any:
             if name.startswith("__") or name in ("_engine", "_impl"):
                 return object.__getattribute__(self, name)
-            if name in _ROUTED_CALLS:
-                routed = getattr(object.__getattribute__(self, "_engine"), name, None)
+            if name in _ROUTED_CALLS or name in _ROUTED_ALIASES:
+                routed = getattr(object.__getattribute__(self, "_engine"), _ROUTED_ALIASES.get(name, name), None)
                 if routed is not None:
                     return routed
             return getattr(object.__getattribute__(self, "_impl"), name)
