@@ -14,6 +14,7 @@ does not on the candidate is a regression: the gate fails and names it.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -136,13 +137,17 @@ class MatrixResult:
         for name, row in self.cells.items():
             shown = [_cell_md(row[label]) if label in row else "-" for label in labels]
             lines.append(f"| {name} | {row['native'].verdict} | " + " | ".join(shown) + " |")
-        lines += ["", "`=` same as native, `k` a known divergence (configs/parity/), `!` unexplained; "
-                  "a struck verdict did not pass the scenario's expectation.", ""]
+        lines += ["", "`=` same as native, `k` a known divergence (configs/parity/), `!` unexplained, "
+                  "`n/a` the release cannot run it on this device (reason below); a struck verdict did "
+                  "not pass the scenario's expectation.", ""]
         for c in self.columns:
             counts = {s: sum(row[c.label].status == s for row in self.cells.values() if c.label in row)
-                      for s in ("same", "known", "unexplained")}
+                      for s in ("same", "known", "unexplained", "unsupported")}
+            reasons = sorted({row[c.label].reason for row in self.cells.values()
+                              if c.label in row and row[c.label].status == "unsupported"})
             lines.append(f"- {c.label}: {counts['same']} same, {counts['known']} known, "
-                         f"{counts['unexplained']} unexplained")
+                         f"{counts['unexplained']} unexplained, {counts['unsupported']} unsupported here"
+                         + (f" ({'; '.join(reasons)})" if reasons else ""))
         for name, label in self.unexplained:
             cell = self.cells[name][label]
             lines.append(f"- UNEXPLAINED {name} on {label}: native {self.cells[name]['native'].verdict} "
@@ -158,9 +163,23 @@ class MatrixResult:
 
 
 def _cell_md(cell: Cell) -> str:
-    mark = {"same": "=", "known": "k", "unexplained": "!"}.get(cell.status, "")
+    mark = {"same": "=", "known": "k", "unexplained": "!", "unsupported": ""}.get(cell.status, "")
+    if cell.status == "unsupported":
+        return "n/a"
     verdict = cell.verdict if cell.passed else f"~~{cell.verdict}~~"
     return f"{verdict} {mark}".strip()
+
+
+_UNSUPPORTED_RE = re.compile(r"ReleaseUnsupported: (.+)")
+
+
+def unsupported_reason(run_dir: Path) -> str:
+    """Why the release refused this scenario's engine here (its engine log says so), or ""."""
+    log = run_dir / "engine.log"
+    if not log.is_file():
+        return ""
+    match = _UNSUPPORTED_RE.search(log.read_text(encoding="utf-8", errors="replace"))
+    return match.group(1).strip() if match else ""
 
 
 def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
@@ -168,7 +187,10 @@ def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir
     lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
     out = {}
     for row in compare(native, column, expected, lost):
-        out[row.scenario] = Cell(row.sglang, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
+        cell = Cell(row.sglang, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
+        if row.sglang == "INCONCLUSIVE" and (why := unsupported_reason(run_dir / row.scenario)):
+            cell = Cell("UNSUPPORTED", (), passed[row.scenario], "unsupported", why)
+        out[row.scenario] = cell
     return out
 
 

@@ -118,7 +118,8 @@ class LocalRuntime:
     def __init__(self, ready_timeout: float = 30.0, python: str | None = None,
                  start: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
         self.ready_timeout = ready_timeout
-        self.python = python or sys.executable
+        # Absolute: the engine (and a warm fork server) runs in a directory of its own.
+        self.python = os.path.abspath(python) if python and os.sep in python else (python or sys.executable)
         # A directory holding the engine_stub/ to run (a mutant, a commit); None: this checkout.
         self.engine_root = engine_root
         # auto | warm | fresh (see canaries.runtime.warm); the mode that ran is `start_mode`.

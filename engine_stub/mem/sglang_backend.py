@@ -54,7 +54,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SGLangSWAAllocator", "sglang_version", "SGLANG_LEVEL_ENV", "sglang_crash_invariant"]
+__all__ = ["ReleaseUnsupported", "SGLangSWAAllocator", "sglang_version", "SGLANG_LEVEL_ENV", "sglang_crash_invariant"]
+
+
+class ReleaseUnsupported(NotImplementedError):
+    """This release cannot run this configuration here (e.g. paged allocation on a CPU before
+    0.5.23): the engine refuses to start, saying why; reports show the cell as unsupported."""
 
 SGLANG_LEVEL_ENV = "SGLANG_INVARIANT_CHECK"  # an integer there: 0 off, 1 warn, 2 strict
 _LEVELS = {"off": 0, "warn": 1, "strict": 2}
@@ -161,7 +166,7 @@ class SGLangSWAAllocator:
                                 "adapter passes")
         if page_size > 1 and self.device.type != "cuda" and not hasattr(self.full_attn_allocator,
                                                                         "use_triton_kernels"):
-            raise NotImplementedError(
+            raise ReleaseUnsupported(
                 f"SGLang {self.version}'s PagedTokenToKVPoolAllocator launches its Triton kernels "
                 "(alloc_extend_kernel, alloc_decode_kernel) on every page allocation and has no "
                 f"CPU path: page_size {page_size} needs a CUDA device with this release")
