@@ -14,7 +14,6 @@ does not on the candidate is a regression: the gate fails and names it.
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from canaries.parity import (
     engine_sglang_version,
     load_expectations,
     lost_sglang_hits,
+    unsupported_reason,
 )
 from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
 
@@ -170,27 +170,14 @@ def _cell_md(cell: Cell) -> str:
     return f"{verdict} {mark}".strip()
 
 
-_UNSUPPORTED_RE = re.compile(r"ReleaseUnsupported: (.+)")
-
-
-def unsupported_reason(run_dir: Path) -> str:
-    """Why the release refused this scenario's engine here (its engine log says so), or ""."""
-    log = run_dir / "engine.log"
-    if not log.is_file():
-        return ""
-    match = _UNSUPPORTED_RE.search(log.read_text(encoding="utf-8", errors="replace"))
-    return match.group(1).strip() if match else ""
-
-
 def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
     passed = {r.scenario: r.passed for r in column}
     lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
+    unsupported = {r.scenario: unsupported_reason(run_dir / r.scenario) for r in column}
     out = {}
-    for row in compare(native, column, expected, lost):
-        cell = Cell(row.sglang, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
-        if row.sglang == "INCONCLUSIVE" and (why := unsupported_reason(run_dir / row.scenario)):
-            cell = Cell("UNSUPPORTED", (), passed[row.scenario], "unsupported", why)
-        out[row.scenario] = cell
+    for row in compare(native, column, expected, lost, unsupported):
+        verdict = "UNSUPPORTED" if row.status == "unsupported" else row.sglang
+        out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
     return out
 
 

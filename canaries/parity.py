@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "lost_sglang_hits", "run_parity"]
+__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "lost_sglang_hits", "run_parity",
+           "unsupported_reason"]
 
 PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
 
@@ -32,7 +33,7 @@ class ParityRow:
     sglang_detectors: tuple[str, ...]
     native_latency: int | None
     sglang_latency: int | None
-    status: str  # same | known | unexplained
+    status: str  # same | known | unexplained | unsupported
     reason: str = ""
 
     def to_dict(self) -> dict:
@@ -66,7 +67,9 @@ class ParityResult:
             lines.append(f"| {r.scenario} | {r.native} | {r.sglang} | {dets} | {lat} | {status} |")
         same = sum(r.status == "same" for r in self.rows)
         known = sum(r.status == "known" for r in self.rows)
-        lines += ["", f"{same} same, {known} known divergences, {len(self.unexplained)} unexplained"]
+        unsupported = sum(r.status == "unsupported" for r in self.rows)
+        lines += ["", f"{same} same, {known} known divergences, {len(self.unexplained)} unexplained"
+                  + (f", {unsupported} unsupported by this release here" if unsupported else "")]
         if self.native_failures:
             lines.append(f"native failures (fix them first): {', '.join(self.native_failures)}")
         return "\n".join(lines) + "\n"
@@ -125,6 +128,18 @@ def lost_sglang_hits(run_dir: Path) -> str:
     return "hits lost: " + "; ".join(lost) if lost else ""
 
 
+_UNSUPPORTED_RE = re.compile(r"ReleaseUnsupported: (.+)")
+
+
+def unsupported_reason(run_dir: Path) -> str:
+    """Why the release refused this scenario's engine here (its engine log says so), or ""."""
+    log = run_dir / "engine.log"
+    if not log.is_file():
+        return ""
+    match = _UNSUPPORTED_RE.search(log.read_text(encoding="utf-8", errors="replace"))
+    return match.group(1).strip() if match else ""
+
+
 def detectors_of(record: Any) -> tuple[str, ...]:
     return tuple(sorted({f.get("detector") or f.get("name") for f in (record.firings or [])
                          if isinstance(f, dict)} - {None}))
@@ -136,9 +151,11 @@ def _first_latency(record: Any) -> int | None:
 
 
 def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
-            lost: dict[str, str] | None = None) -> list[ParityRow]:
+            lost: dict[str, str] | None = None, unsupported: dict[str, str] | None = None) -> list[ParityRow]:
     """One row per scenario; `lost` (scenario -> `lost_sglang_hits`) makes a row unexplained
-    whatever its verdict: a hit SGLang counted and the engine never reported."""
+    whatever its verdict: a hit SGLang counted and the engine never reported; `unsupported`
+    (scenario -> `unsupported_reason`) makes an INCONCLUSIVE row `unsupported`: the release
+    cannot run that configuration here."""
     by_name = {r.scenario: r for r in sglang}
     rows = []
     for n in native:
@@ -149,6 +166,8 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
         known = expected.get(n.scenario)
         if (lost or {}).get(n.scenario):
             status, reason = "unexplained", lost[n.scenario]
+        elif s.verdict == "INCONCLUSIVE" and (unsupported or {}).get(n.scenario):
+            status, reason = "unsupported", unsupported[n.scenario]
         elif same:
             status, reason = "same", ""
         elif known and known.get("verdict") == s.verdict:
@@ -172,7 +191,8 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
     sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory="sglang",
                       engine_python=engine_python)
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
-    rows = compare(native, sglang, load_expectations(version), lost)
+    unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) for r in sglang}
+    rows = compare(native, sglang, load_expectations(version), lost, unsupported)
     result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir)
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(

@@ -35,3 +35,17 @@ def test_compare_marks_lost_hits_unexplained_even_with_the_same_verdict() -> Non
     rows = compare([record], [record], {}, {"s": "hits lost: swa.peer_released"})
     assert rows[0].status == "unexplained" and "swa.peer_released" in rows[0].reason
     assert compare([record], [record], {})[0].status == "same"
+
+
+def test_compare_marks_a_release_refusal_unsupported_not_unexplained(tmp_path: Path) -> None:
+    from canaries.parity import unsupported_reason
+
+    tmp_path.joinpath("engine.log").write_text(
+        "Traceback ...\nengine_stub.mem.sglang_backend.ReleaseUnsupported: SGLang 0.5.18's paged "
+        "allocator has no CPU path\n")
+    why = unsupported_reason(tmp_path)
+    assert why == "SGLang 0.5.18's paged allocator has no CPU path"
+    native = SimpleNamespace(scenario="s", verdict="DETECTED", firings=[], latency={})
+    refused = SimpleNamespace(scenario="s", verdict="INCONCLUSIVE", firings=[], latency={})
+    assert compare([native], [refused], {}, {}, {"s": why})[0].status == "unsupported"
+    assert compare([native], [refused], {}, {}, {})[0].status == "unexplained"
