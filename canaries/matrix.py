@@ -13,6 +13,7 @@ does not on the candidate is a regression: the gate fails and names it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -95,6 +96,7 @@ class MatrixResult:
     cells: dict[str, dict[str, Cell]]  # scenario -> "native" | column label -> Cell
     gate: GateResult | None
     report_dir: Path
+    wall_seconds: float = 0.0  # the whole matrix (columns overlap: theirs add up to more)
 
     @property
     def unexplained(self) -> list[tuple[str, str]]:
@@ -116,6 +118,7 @@ class MatrixResult:
         return {
             "columns": [asdict(c) for c in self.columns],
             "native_seconds": round(self.native_seconds, 1),
+            "wall_seconds": round(self.wall_seconds, 1),
             "scenarios": {name: {label: asdict(cell) for label, cell in row.items()}
                           for name, row in self.cells.items()},
             "unexplained": [{"scenario": s, "release": r} for s, r in self.unexplained],
@@ -127,6 +130,7 @@ class MatrixResult:
     def to_markdown(self) -> str:
         labels = [c.label for c in self.columns]
         lines = ["# Release matrix: native vs SGLang's own memory path", "",
+                 f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side).", "",
                  "| column | sglang | parts from SGLang | wall time |", "|---|---|---|---|",
                  f"| native | - | - | {self.native_seconds:.0f}s |"]
         for c in self.columns:
@@ -193,13 +197,21 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
 
 
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
-               jobs: int = 1, progress: bool = True, build: bool = True,
+               jobs: int = 1, columns_at_once: int = 2, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None,
                log: Callable[[str], None] = print) -> MatrixResult:
-    """Run the matrix into `report_dir`; see the module docstring."""
+    """Run the matrix into `report_dir`; see the module docstring.
+
+    `columns_at_once` columns run side by side, each with `jobs` scenarios at once (one warm
+    fork server per release); one display shows them all, each line naming its column.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from canaries.progress import Prefixed, progress_for
     from canaries.report.atomic import write_atomic
     from canaries.report.matrix_html import matrix_html
     from canaries.runner import run_many
+    from canaries.runtime.safety import SignalLatch
     from canaries.runtime.warm import close_fork_server
 
     labels = [r.label for r in releases]
@@ -208,19 +220,12 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             raise ReleaseError(f"{name} {value}: not one of the columns ({', '.join(labels)})")
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    total = len(releases) + 1
     # Venvs first: a release that cannot be had fails the run before anything runs.
     pythons = {r.version: release_python(r.version, build=build, log=log,
                                          build_log=report_dir / f"venv-{r.version}.log") for r in releases}
-    log(f"matrix [1/{total}] native: {len(scenarios)} scenarios")
-    t0 = time.monotonic()
-    native = run_many(scenarios, report_dir / "runs" / "native", jobs=jobs, progress=progress)
-    native_seconds = time.monotonic() - t0
-    cells: dict[str, dict[str, Cell]] = {
-        r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
-    columns = []
     with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
-        for k, spec in enumerate(releases, start=2):
+        interpreters: dict[str, tuple[Path, str]] = {}
+        for spec in releases:
             python, diff = pythons[spec.version], ""
             if spec.patches:
                 python, diff = patched_interpreter(python, spec.version, spec.patches, Path(scratch) / spec.label)
@@ -228,20 +233,43 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             version = engine_sglang_version(str(python))
             if version != spec.version:
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
-            log(f"matrix [{k}/{total}] SGLang {spec.label}: {len(scenarios)} scenarios ({python})")
+            interpreters[spec.label] = (python, diff)
+        started = time.monotonic()
+        log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
+            f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
+        shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
+
+        def column(label: str) -> tuple[list, float]:
+            python = None if label == "native" else str(interpreters[label][0])
             t0 = time.monotonic()
             try:
-                records = run_many(scenarios, report_dir / "runs" / spec.label, jobs=jobs, progress=progress,
-                                   memory="sglang", engine_python=str(python))
+                records = run_many(scenarios, report_dir / "runs" / label, jobs=jobs, latch=latch,
+                                   progress=Prefixed(f"[{label}]", shown) if shown else False,
+                                   **({} if python is None else {"memory": "sglang", "engine_python": python}))
             finally:
-                close_fork_server(str(python))
-            columns.append(Column(spec.label, version, str(python), time.monotonic() - t0, spec.patches, diff,
-                                  _memory_parts(records)))
-            for name, cell in _cells(native, records, load_expectations(spec.version),
-                                       report_dir / "runs" / spec.label).items():
-                cells[name][spec.label] = cell
+                if python is not None:
+                    close_fork_server(python)
+            return records, time.monotonic() - t0
+
+        with SignalLatch() as latch, (shown or contextlib.nullcontext()), \
+                ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
+            runs = {label: pool.submit(column, label) for label in ["native", *labels]}
+            done = {label: future.result() for label, future in runs.items()}
+        wall_seconds = time.monotonic() - started
+    native, native_seconds = done["native"]
+    cells: dict[str, dict[str, Cell]] = {
+        r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
+    columns = []
+    for spec in releases:
+        records, seconds = done[spec.label]
+        python, diff = interpreters[spec.label]
+        columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
+                              _memory_parts(records)))
+        for name, cell in _cells(native, records, load_expectations(spec.version),
+                                 report_dir / "runs" / spec.label).items():
+            cells[name][spec.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
-    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir)
+    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
     write_atomic(report_dir / "matrix.html", matrix_html(result).encode())

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["LiveProgress", "PlainProgress", "progress_for", "result_line"]
+__all__ = ["LiveProgress", "PlainProgress", "Prefixed", "progress_for", "result_line"]
 
 
 def result_line(k: int, n: int, name: str, record: Any, duration: float) -> str:
@@ -115,3 +115,23 @@ def progress_for(total: int, jobs: int = 1) -> PlainProgress:
         except ImportError:  # rich missing: the plain form says the same
             pass
     return PlainProgress(total, jobs)
+
+
+class Prefixed:
+    """One part of a bigger display (a matrix column): names carry `label`; opening and closing
+    the display is its owner's business, not the part's."""
+
+    def __init__(self, label: str, inner: PlainProgress) -> None:
+        self.label, self.inner = label, inner
+
+    def started(self, name: str) -> None:
+        self.inner.started(f"{self.label} {name}")
+
+    def finished(self, name: str, record: Any, duration: float) -> None:
+        self.inner.finished(f"{self.label} {name}", record, duration)
+
+    def __enter__(self) -> Prefixed:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -383,7 +383,7 @@ def _cause(signum: int | None, error: BaseException | None) -> str:
 
 
 def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int = 1,
-             runtime: str = "local", device: str | None = None, progress: bool = True,
+             runtime: str = "local", device: str | None = None, progress: Any = True,
              latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None,
              engine_root: str | os.PathLike | None = None, memory: str | None = None,
              engine_python: str | None = None) -> list:
@@ -413,7 +413,9 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
 
     from canaries.progress import progress_for
 
-    shown = progress_for(n, jobs) if progress else None
+    # True: this run's own display; an object with started/finished: the caller's (a matrix
+    # shows its columns in one display); False: none.
+    shown = progress_for(n, jobs) if progress is True else (progress or None)
 
     def one(i: int, sc: Any):
         if _CANCEL.is_set():  # taken off the queue after the run stopped: never started

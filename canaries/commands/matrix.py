@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     matrix.add_argument("--last", metavar="RELEASE", help="gate: the release the candidate must not fall behind")
     matrix.add_argument("--candidate", metavar="RELEASE", help="gate: the release under test")
     matrix.add_argument("--jobs", "-j", type=int, default=None, help="scenarios run at once (default 1)")
+    matrix.add_argument("--columns", type=int, default=2, metavar="N",
+                        help="release columns run side by side (default 2; each runs --jobs scenarios)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
     matrix.set_defaults(func=run)
@@ -86,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs or config.get("jobs") or 1
     if jobs < 1:
         raise UsageError("--jobs: at least 1")
+    if args.columns < 1:
+        raise UsageError("--columns: at least 1")
     try:
         releases = parse_releases(raw, where=where) if raw else []
         for extra in (last, candidate):  # the gate's two releases need not be listed again
@@ -100,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no scenario matches the selection")
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"matrix-{new_run_id()}")
     try:
-        result = run_matrix(scenarios, releases, report, jobs=jobs, build=not args.no_build,
+        result = run_matrix(scenarios, releases, report, jobs=jobs, columns_at_once=args.columns,
+                            build=not args.no_build,
                             last=last, candidate=candidate)
     except ReleaseError as exc:
         raise UsageError(str(exc)) from None
