@@ -15,14 +15,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shrink.add_argument("scenario", metavar="SCENARIO", help="a scenario file")
     shrink.add_argument("--out", metavar="FILE", help="default: NAME-shrunk.yaml beside it")
     shrink.add_argument("--runtime", default="local", help="local (default) | docker")
+    shrink.add_argument("--memory", choices=("native", "sglang", "sglang-allocator"), default=None,
+                        help="override the scenario's memory path (sglang*: with --engine-python)")
+    shrink.add_argument("--engine-python", metavar="PATH", help="an interpreter with sglang (a release's venv)")
     shrink.add_argument("--max-steps", type=int, default=60, help="candidates to try at most")
     shrink.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from canaries.commands.run import check_engine_python
     from canaries.scenario import ScenarioError
     from canaries.triage.shrink import shrink
 
+    check_engine_python(args.engine_python, args.memory, args.runtime)
     if not Path(args.scenario).is_file():
         raise UsageError(f"{args.scenario}: no such scenario file")
     if args.out and Path(args.out).exists():
@@ -34,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = shrink(args.scenario, args.out, runtime=args.runtime, max_steps=args.max_steps,
-                        progress=show)
+                        progress=show, memory=args.memory, engine_python=args.engine_python)
     except ScenarioError as exc:
         raise UsageError(str(exc)) from None
     print(result.to_text().splitlines()[-1])

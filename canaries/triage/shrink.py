@@ -137,14 +137,16 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
            progress: Callable[[ShrinkStep], None] | None = None,
            target_of: Target = verdict_target, name: str | None = None,
            header: str | None = None, engine_root: str | Path | None = None,
-           device: str | None = None) -> ShrinkResult:
+           device: str | None = None, memory: str | None = None,
+           engine_python: str | None = None) -> ShrinkResult:
     """Shrink the scenario file `source`; writes the result (default `<name>-shrunk.yaml`
     beside it) and returns what was tried.
 
     `target_of(scenario, record, run_dir)` says what a run must keep to count as the same
     (default: verdict and signature; `canary fuzz` keeps its oracle's outcome and signature).
     `name` names the result (default `<name>-shrunk`); `header` replaces its first comment line;
-    `engine_root` runs another engine's sources (a mutant); `device` overrides engine.device."""
+    `engine_root` runs another engine's sources (a mutant); `device` overrides engine.device;
+    `memory` and `engine_python` run another memory path (e.g. an SGLang release's)."""
     from canaries.runner import run_scenario
     from canaries.scenario import ScenarioError, load_scenario
 
@@ -167,7 +169,8 @@ def shrink(source: str | Path, output: str | Path | None = None, *, runtime: str
         path.write_text(yaml.safe_dump(candidate, sort_keys=False), encoding="utf-8")
         scenario = load_scenario(path)
         run_dir = work / f"run-{n:03d}"
-        record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root)
+        record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root,
+                              memory=memory, engine_python=engine_python)
         return scenario, target_of(scenario, record, run_dir)
 
     first, target = attempt(doc)
