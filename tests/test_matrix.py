@@ -7,6 +7,7 @@ saying so, without it; everything else runs anywhere.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,19 @@ from canaries.releases.venvs import installed_version
 from canaries.report.matrix_html import matrix_html
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_0523 = next((p for p in (REPO / ".venv-sglang-0.5.23" / "bin" / "python", REPO / ".venv-sglang" / "bin" / "python")
-                  if installed_version(p) == "0.5.23"), None)
+RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.23")
+
+
+def _venv_python(version: str) -> Path | None:
+    """The interpreter of `version`'s venv here, as `canary matrix` finds it, or None."""
+    for venv in (REPO / f".venv-sglang-{version}", REPO / ".venv-sglang"):
+        if installed_version(venv / "bin" / "python") == version:
+            return venv / "bin" / "python"
+    return None
+
+
+VENV_0523 = _venv_python("0.5.23")
+ALL_VENVS = all(_venv_python(v) for v in RELEASES)
 needs_0523 = pytest.mark.skipif(VENV_0523 is None, reason="no SGLang 0.5.23 venv: run "
                                 "`bash scripts/make-sglang-venv.sh`")
 
@@ -169,3 +181,26 @@ def test_gate_passes_on_identical_release(tmp_path: Path) -> None:
     assert doc["gate"]["regressions"] == [] and doc["gate"]["ok"]
     cells = doc["scenarios"]["corrupt-r2t-zero-page1"]
     assert cells["0.5.23"]["verdict"] == cells["0.5.23+identity"]["verdict"] == "DETECTED"
+
+
+
+@pytest.mark.skipif(not ALL_VENVS, reason="needs every release's venv: bash scripts/make-sglang-venv.sh "
+                    "--version X for X in 0.5.18 0.5.19 0.5.20 (and without --version for 0.5.23)")
+def test_matrix_over_every_release_explains_every_cell(tmp_path: Path) -> None:
+    report = tmp_path / "matrix"
+    proc = subprocess.run([sys.executable, "-m", "canaries.cli", "matrix", "--sglang", ",".join(RELEASES),
+                           "--no-build", "-j", "2", "--report-dir", str(report)],
+                          capture_output=True, text=True, cwd=REPO, check=False,
+                          env={**os.environ, "CANARY_PROGRESS": "plain"})
+    doc = json.loads((report / "matrix.json").read_text())
+    assert proc.returncode == 0, doc["unexplained"] or proc.stdout[-3000:]
+    assert doc["unexplained"] == [] and doc["native_failures"] == []
+    cells = doc["scenarios"]
+    # PR #36723's class: caught by swa.peer_mapped from 0.5.20, not before (the filter era).
+    row = cells["corrupt-r2t-zero-page1"]
+    assert [row[v]["verdict"] for v in RELEASES] == ["WRONG_DETECTOR", "WRONG_DETECTOR", "DETECTED", "DETECTED"]
+    assert all("swa.peer_mapped" in row[v]["detectors"] for v in ("0.5.20", "0.5.23"))
+    assert cells["double-free-swa-page1"]["0.5.19"]["verdict"] == "MISSED"
+    assert {c["label"]: c["memory_parts"]["radix_cache"] for c in doc["columns"]} == {
+        v: f"sglang-{v}" for v in RELEASES}
+    assert (report / "matrix.html").is_file() and "| corrupt-r2t-zero-page1 |" in (report / "matrix.md").read_text()
