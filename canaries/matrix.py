@@ -31,6 +31,7 @@ from canaries.parity import (
     unsupported_reason,
 )
 from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
+from canaries.releases.venvs import release_refusals
 
 __all__ = ["Cell", "GateResult", "MatrixResult", "Column", "gate", "run_matrix"]
 
@@ -69,6 +70,7 @@ class GateResult:
     candidate: str
     regressions: tuple[str, ...]
     fixed: tuple[str, ...]
+    unjudged: tuple[str, ...] = ()  # one of the two releases cannot run it here
 
     @property
     def ok(self) -> bool:
@@ -77,16 +79,19 @@ class GateResult:
 
 def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]]) -> GateResult:
     """Compare two columns of `cells` (scenario -> column -> Cell)."""
-    regressions, fixed = [], []
+    regressions, fixed, unjudged = [], [], []
     for name, row in cells.items():
         before, after = row.get(last), row.get(candidate)
         if before is None or after is None:
+            continue
+        if "unsupported" in (before.status, after.status):
+            unjudged.append(name)
             continue
         if before.passed and not after.passed:
             regressions.append(name)
         elif after.passed and not before.passed:
             fixed.append(name)
-    return GateResult(last, candidate, tuple(regressions), tuple(fixed))
+    return GateResult(last, candidate, tuple(regressions), tuple(fixed), tuple(unjudged))
 
 
 @dataclass
@@ -163,6 +168,9 @@ class MatrixResult:
             lines += [f"- REGRESSION {name}: passed on {g.last}, fails on {g.candidate} "
                       f"({self.cells[name][g.candidate].verdict})" for name in g.regressions]
             lines += [f"- fixed {name}: fails on {g.last}, passes on {g.candidate}" for name in g.fixed]
+            if g.unjudged:
+                lines.append(f"- not judged ({len(g.unjudged)}): one of the two releases cannot run it on "
+                             f"this device: {', '.join(g.unjudged)}")
         return "\n".join(lines) + "\n"
 
 
@@ -234,16 +242,28 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             if version != spec.version:
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
+        # What each release refuses here is asked up front (no engine started for those cells).
+        devices = {sc.name: sc.engine.resolved_device() for sc in scenarios}
+        refused: dict[str, dict[str, str]] = {}
+        for label, (python, _) in interpreters.items():
+            by_page = {}
+            for device in sorted(set(devices.values())):
+                pages = [sc.engine.page_size for sc in scenarios if devices[sc.name] == device]
+                by_page[device] = release_refusals(python, pages, device)
+            refused[label] = {sc.name: why for sc in scenarios
+                              if (why := by_page[devices[sc.name]].get(sc.engine.page_size))}
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
-        shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
+        runnable = {label: [sc for sc in scenarios if sc.name not in refused.get(label, {})]
+                    for label in ["native", *labels]}
+        shown = progress_for(sum(len(v) for v in runnable.values()), jobs * columns_at_once) if progress else None
 
         def column(label: str) -> tuple[list, float]:
             python = None if label == "native" else str(interpreters[label][0])
             t0 = time.monotonic()
             try:
-                records = run_many(scenarios, report_dir / "runs" / label, jobs=jobs, latch=latch,
+                records = run_many(runnable[label], report_dir / "runs" / label, jobs=jobs, latch=latch,
                                    progress=Prefixed(f"[{label}]", shown) if shown else False,
                                    **({} if python is None else {"memory": "sglang", "engine_python": python}))
             finally:
@@ -268,6 +288,9 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         for name, cell in _cells(native, records, load_expectations(spec.version),
                                  report_dir / "runs" / spec.label).items():
             cells[name][spec.label] = cell
+        for name, why in refused[spec.label].items():
+            if name in cells:
+                cells[name][spec.label] = Cell("UNSUPPORTED", (), False, "unsupported", why)
     verdict = gate(last, candidate, cells) if last and candidate else None
     result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())

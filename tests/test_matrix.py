@@ -204,3 +204,10 @@ def test_matrix_over_every_release_explains_every_cell(tmp_path: Path) -> None:
     assert {c["label"]: c["memory_parts"]["radix_cache"] for c in doc["columns"]} == {
         v: f"sglang-{v}" for v in RELEASES}
     assert (report / "matrix.html").is_file() and "| corrupt-r2t-zero-page1 |" in (report / "matrix.md").read_text()
+
+
+def test_gate_leaves_a_scenario_one_release_cannot_run_unjudged() -> None:
+    cells = {"paged": {"native": _cell("DETECTED", True, "native"), "new": _cell("DETECTED", True),
+                       "old": Cell("UNSUPPORTED", (), False, "unsupported", "no CPU path")}}
+    result = gate("new", "old", cells)
+    assert result.ok and result.regressions == () and result.unjudged == ("paged",)
