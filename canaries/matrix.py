@@ -31,7 +31,6 @@ from canaries.parity import (
     unsupported_reason,
 )
 from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
-from canaries.releases.venvs import release_refusals
 
 __all__ = ["Cell", "GateResult", "MatrixResult", "Column", "gate", "run_matrix"]
 
@@ -219,8 +218,9 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     from canaries.report.atomic import write_atomic
     from canaries.report.matrix_html import matrix_html
     from canaries.runner import run_many
+    from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
-    from canaries.runtime.warm import close_fork_server
+    from canaries.runtime.warm import close_fork_server, prestart
 
     labels = [r.label for r in releases]
     for name, value in (("--last", last), ("--candidate", candidate)):
@@ -242,28 +242,20 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             if version != spec.version:
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
-        # What each release refuses here is asked up front (no engine started for those cells).
-        devices = {sc.name: sc.engine.resolved_device() for sc in scenarios}
-        refused: dict[str, dict[str, str]] = {}
-        for label, (python, _) in interpreters.items():
-            by_page = {}
-            for device in sorted(set(devices.values())):
-                pages = [sc.engine.page_size for sc in scenarios if devices[sc.name] == device]
-                by_page[device] = release_refusals(python, pages, device)
-            refused[label] = {sc.name: why for sc in scenarios
-                              if (why := by_page[devices[sc.name]].get(sc.engine.page_size))}
+        # Each release's warm fork server imports torch and sglang (seconds): start them all now,
+        # so that a column's imports overlap the columns already running.
+        for python, _ in interpreters.values():
+            prestart(str(python), None, PRELOAD["sglang"])
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
-        runnable = {label: [sc for sc in scenarios if sc.name not in refused.get(label, {})]
-                    for label in ["native", *labels]}
-        shown = progress_for(sum(len(v) for v in runnable.values()), jobs * columns_at_once) if progress else None
+        shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
 
         def column(label: str) -> tuple[list, float]:
             python = None if label == "native" else str(interpreters[label][0])
             t0 = time.monotonic()
             try:
-                records = run_many(runnable[label], report_dir / "runs" / label, jobs=jobs, latch=latch,
+                records = run_many(scenarios, report_dir / "runs" / label, jobs=jobs, latch=latch,
                                    progress=Prefixed(f"[{label}]", shown) if shown else False,
                                    **({} if python is None else {"memory": "sglang", "engine_python": python}))
             finally:
@@ -288,9 +280,6 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         for name, cell in _cells(native, records, load_expectations(spec.version),
                                  report_dir / "runs" / spec.label).items():
             cells[name][spec.label] = cell
-        for name, why in refused[spec.label].items():
-            if name in cells:
-                cells[name][spec.label] = Cell("UNSUPPORTED", (), False, "unsupported", why)
     verdict = gate(last, candidate, cells) if last and candidate else None
     result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())

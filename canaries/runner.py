@@ -129,11 +129,18 @@ def _reference(model_key: tuple, prompt: tuple[int, ...], max_new_tokens: int) -
     return tuple(_oracle_model(*model_key).reference_generate(list(prompt), max_new_tokens))
 
 
+@functools.lru_cache(maxsize=4096)
+def _teacher_forced(model_key: tuple, tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """The model's greedy next token after every prefix of `tokens`. Memoised: the same answer
+    (a matrix's columns, a mutant's baseline) is checked once per process."""
+    with _ORACLE_LOCK:
+        return tuple(_oracle_model(*model_key).reference_next_tokens(list(tokens)))
+
+
 def oracle_mismatches(config: dict, plan: list[Planned], responses: list[dict]) -> list[dict]:
     """Greedy responses that differ from the from-scratch reference of the config in force."""
     key = (str(config["layer_pattern"]), int(config["window"]), int(config.get("hidden_size", 32)),
            int(config.get("num_heads", 2)), int(config.get("seed", 0)))
-    model = _oracle_model(*key)
     mismatches = []
     for planned, resp in zip(plan, responses, strict=True):
         # What was sent (a follow-up's prompt is made at send time).
@@ -144,8 +151,7 @@ def oracle_mismatches(config: dict, plan: list[Planned], responses: list[dict]) 
         got = list(got)
         first = None
         if got:
-            with _ORACLE_LOCK:
-                preds = model.reference_next_tokens(list(prompt) + got[:-1])[len(prompt) - 1:]
+            preds = list(_teacher_forced(key, tuple(prompt) + tuple(got[:-1])))[len(prompt) - 1:]
             first = next((i for i, (a, b) in enumerate(zip(got, preds, strict=True)) if a != b),
                          None)
         if first is None and len(got) != max_new_tokens:

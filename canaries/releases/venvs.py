@@ -14,7 +14,7 @@ from pathlib import Path
 
 from canaries.releases.spec import ReleaseError
 
-__all__ = ["installed_version", "release_python", "release_refusals", "venv_candidates"]
+__all__ = ["installed_version", "release_python", "venv_candidates"]
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE_VENV = REPO / "scripts" / "make-sglang-venv.sh"
@@ -66,22 +66,3 @@ def release_python(version: str, *, build: bool = True, root: Path = REPO,
     log(f"matrix: SGLang {version} venv ready in {time.monotonic() - t0:.0f}s")
     return python
 
-
-def release_refusals(python: Path, page_sizes: list[int], device: str) -> dict[int, str]:
-    """The page sizes `python`'s sglang refuses on `device`, with the release's reason
-    (`engine_stub.mem.sglang_backend.refusals`, asked in that interpreter): cells a matrix need
-    not start an engine to fill."""
-    import json
-    import os
-
-    from canaries.runtime.warm import engine_pythonpath
-
-    script = ("import json, sys, warnings; warnings.filterwarnings('ignore'); "
-              "from engine_stub.mem.sglang_backend import refusals; "
-              "print(json.dumps(refusals(json.loads(sys.argv[1]), sys.argv[2])))")
-    env = {**os.environ, "PYTHONPATH": engine_pythonpath(None, os.environ.get("PYTHONPATH"))}
-    proc = subprocess.run([str(python), "-c", script, json.dumps(sorted(set(page_sizes))), device],
-                          capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise ReleaseError(f"{python}: could not ask the release what it refuses: {proc.stderr.strip()[-500:]}")
-    return {int(page): why for page, why in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
