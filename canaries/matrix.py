@@ -204,7 +204,7 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
 
 
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
-               jobs: int = 1, columns_at_once: int = 2, progress: bool = True, build: bool = True,
+               jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None,
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the matrix into `report_dir`; see the module docstring.

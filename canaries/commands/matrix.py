@@ -38,8 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     matrix.add_argument("--last", metavar="RELEASE", help="gate: the release the candidate must not fall behind")
     matrix.add_argument("--candidate", metavar="RELEASE", help="gate: the release under test")
     matrix.add_argument("--jobs", "-j", type=int, default=None, help="scenarios run at once (default 1)")
-    matrix.add_argument("--columns", type=int, default=2, metavar="N",
-                        help="release columns run side by side (default 2; each runs --jobs scenarios)")
+    matrix.add_argument("--columns", type=int, default=3, metavar="N",
+                        help="release columns run side by side (default 3; each runs --jobs scenarios)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
     matrix.set_defaults(func=run)
