@@ -97,6 +97,14 @@ def live(path):
     return int(path.swa_live.sum())
 
 
+def outcome(call, error):
+    try:
+        call()
+    except error:
+        return "refused"
+    return "accepted"
+
+
 A = list(range(100, 140))
 slots_a = a.alloc(40)
 out["insert_new"] = t.insert(A, slots_a, prev_prefix_len=0, swa_evicted_seqlen=0)
@@ -109,11 +117,7 @@ out["locked"] = [t.full_protected_size(), t.swa_protected_size(), t.locked_slots
 out["evicted_while_locked"] = list(grouped(t.evict, 1000, 1000))
 out["held_while_locked"] = t.held_slots().numel()
 t.dec_lock_ref(lock)
-try:
-    t.dec_lock_ref(lock)
-    out["released_twice"] = "accepted"
-except RuntimeError:
-    out["released_twice"] = "refused"
+out["released_twice"] = outcome(lambda: t.dec_lock_ref(lock), RuntimeError)
 out["unlocked"] = [t.full_protected_size(), t.swa_protected_size()]
 
 out["ledger_after_lock"] = ledger()
@@ -187,11 +191,7 @@ out["rows"] = [sorted(got), got == [r0.row, r1_.row], rows.available_size(),
                rows.req_to_token[r0.row, :3].tolist(), str(rows.req_to_token.dtype)]
 rows.free(r0)
 rows.free(r1_)
-try:
-    rows.free(r0)
-    out["row_freed_twice"] = "accepted"
-except ValueError:
-    out["row_freed_twice"] = "refused"
+out["row_freed_twice"] = outcome(lambda: rows.free(r0), ValueError)
 out["rows_after_free"] = [rows.available_size(), r0.row]
 print(json.dumps(out))
 """
