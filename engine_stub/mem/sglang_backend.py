@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReleaseUnsupported", "SGLangSWAAllocator", "refusals", "sglang_version", "SGLANG_LEVEL_ENV", "sglang_crash_invariant"]
+__all__ = ["ReleaseUnsupported", "SGLangSWAAllocator", "sglang_version", "SGLANG_LEVEL_ENV", "sglang_crash_invariant"]
 
 
 class ReleaseUnsupported(NotImplementedError):
@@ -135,19 +135,6 @@ def _mapping_pool_class():
             return [], [], []
 
     return MappingOnlySWAKVPool
-
-
-def refusals(page_sizes: list[int], device: str = "cpu") -> dict[int, str]:
-    """Which of `page_sizes` the installed release refuses on `device`, and why: what building
-    the allocator would raise (`ReleaseUnsupported`), asked up front so that a harness need not
-    start an engine to learn it. A page size it accepts is absent."""
-    out = {}
-    for page_size in sorted(set(page_sizes)):
-        try:
-            SGLangSWAAllocator(4 * max(page_size, 16), 4 * max(page_size, 16), page_size, device)
-        except ReleaseUnsupported as exc:
-            out[page_size] = str(exc)
-    return out
 
 
 class SGLangSWAAllocator:
