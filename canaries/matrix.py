@@ -181,6 +181,11 @@ def _cell_md(cell: Cell) -> str:
     return f"{verdict} {mark}".strip()
 
 
+def _version_key(label: str) -> tuple[int, ...]:
+    version = label.split("+", 1)[0]
+    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
+
+
 def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
     passed = {r.scenario: r.passed for r in column}
     lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
@@ -265,7 +270,10 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
 
         with SignalLatch() as latch, (shown or contextlib.nullcontext()), \
                 ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
-            runs = {label: pool.submit(column, label) for label in ["native", *labels]}
+            # Newest releases first: older ones refuse more configurations here and finish sooner,
+            # so the last columns to start are the short ones (no long tail on one column).
+            order = ["native", *sorted(labels, key=lambda lb: _version_key(lb), reverse=True)]
+            runs = {label: pool.submit(column, label) for label in order}
             done = {label: future.result() for label, future in runs.items()}
         wall_seconds = time.monotonic() - started
     native, native_seconds = done["native"]
