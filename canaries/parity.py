@@ -180,15 +180,19 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
     return rows
 
 
-def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str, *, jobs: int = 1) -> ParityResult:
-    """Run `scenarios` on both backends into `report_dir/{native,sglang}`; the comparison."""
+def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str, *, jobs: int = 1,
+               memory: str = "sglang") -> ParityResult:
+    """Run `scenarios` on both backends into `report_dir/{native,sglang}`; the comparison.
+
+    `memory`: SGLang's side, `sglang` (every part the release has; what configs/parity/
+    records) or `sglang-allocator` (its allocator under our tree and row table)."""
     from canaries.report.atomic import write_atomic
     from canaries.runner import run_many
 
     report_dir = Path(report_dir)
     version = engine_sglang_version(engine_python)
     native = run_many(scenarios, report_dir / "native", jobs=jobs, progress=False)
-    sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory="sglang",
+    sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory=memory,
                       engine_python=engine_python)
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
     unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) for r in sglang}

@@ -211,3 +211,13 @@ def test_gate_leaves_a_scenario_one_release_cannot_run_unjudged() -> None:
                        "old": Cell("UNSUPPORTED", (), False, "unsupported", "no CPU path")}}
     result = gate("new", "old", cells)
     assert result.ok and result.regressions == () and result.unjudged == ("paged",)
+
+
+@needs_0523
+def test_parity_with_sglang_allocator_runs_only_the_allocator_from_the_release(tmp_path: Path) -> None:
+    report = tmp_path / "parity"
+    assert canary(["parity", "-k", "clean-page1-radix", "--memory", "sglang-allocator", "--engine-python",
+                   str(VENV_0523), "--report-dir", str(report)]) == 0
+    verdict = json.loads((report / "sglang" / "clean-page1-radix" / "verdict.json").read_text())
+    assert verdict["extra"]["memory_parts"] == {"allocator": "sglang-0.5.23", "radix_cache": "native",
+                                                "req_to_token": "native"}

@@ -11,11 +11,13 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parity = sub.add_parser("parity", help="compare verdicts on native vs SGLang's allocator")
+    parity = sub.add_parser("parity", help="compare verdicts on native vs SGLang's own memory path")
     parity.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
     parity.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
     parity.add_argument("--engine-python", metavar="PATH", required=True,
                         help="an interpreter with sglang (scripts/make-sglang-venv.sh)")
+    parity.add_argument("--memory", choices=("sglang", "sglang-allocator"), default="sglang",
+                        help="SGLang's side: every part the release has (default) or its allocator alone")
     parity.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     parity.add_argument("--report-dir", metavar="DIR", help="default: reports/parity-<run-id>/")
     parity.set_defaults(func=run)
@@ -28,13 +30,13 @@ def run(args: argparse.Namespace) -> int:
     from canaries.parity import run_parity
     from canaries.runner import default_report_dir, new_run_id
 
-    check_engine_python(args.engine_python, "sglang", "local")
+    check_engine_python(args.engine_python, args.memory, "local")
     scenarios = select(load_scenarios(args.paths), args.k)
     if not scenarios:
         raise UsageError("no scenario matches the selection")
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"parity-{new_run_id()}")
     try:
-        result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs)
+        result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs, memory=args.memory)
     except (RuntimeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.to_markdown())
