@@ -16,7 +16,13 @@ import pytest
 
 from canaries.cli import main as canary
 from canaries.matrix import Cell, Column, MatrixResult, gate
-from canaries.releases import ReleaseError, ReleaseSpec, parse_releases, patched_interpreter
+from canaries.releases import (
+    ReleaseError,
+    ReleaseSpec,
+    SGLangSource,
+    parse_releases,
+    patched_interpreter,
+)
 from canaries.releases.patches import SGLangPatch
 from canaries.releases.venvs import installed_version
 from canaries.report.matrix_html import matrix_html
@@ -45,7 +51,8 @@ def _cell(verdict: str, passed: bool, status: str = "same") -> Cell:
 
 def test_parse_releases_reads_versions_and_patches() -> None:
     specs = parse_releases("0.5.18, 0.5.23+free-swa-contract-removed")
-    assert specs == [ReleaseSpec("0.5.18"), ReleaseSpec("0.5.23", ("free-swa-contract-removed",))]
+    assert specs == [ReleaseSpec(SGLangSource("index", "0.5.18")),
+                     ReleaseSpec(SGLangSource("index", "0.5.23"), ("free-swa-contract-removed",))]
     assert specs[1].label == "0.5.23+free-swa-contract-removed"
 
 

@@ -1,9 +1,16 @@
-"""SGLang releases as systems under test: which release (and which planted patch of it) a
-matrix column is, where its pinned venv lives, and the throwaway patched copies."""
+"""SGLang releases as systems under test: which SGLang a matrix column is (a release on the
+index, a wheel, a source checkout, with planted patches and diffs), where its venv lives, and
+the throwaway patched copies."""
 
-from canaries.releases.patches import SGLangPatch, patch_catalogue, patched_interpreter
-from canaries.releases.spec import ReleaseError, ReleaseSpec, parse_releases
+from canaries.releases.errors import ReleaseError
+from canaries.releases.patches import (
+    SGLangPatch,
+    patch_catalogue,
+    patched_interpreter,
+)
+from canaries.releases.source import SGLangSource
+from canaries.releases.spec import ReleaseSpec, match_release, parse_releases
 from canaries.releases.venvs import release_python
 
-__all__ = ["ReleaseError", "ReleaseSpec", "SGLangPatch", "parse_releases", "patch_catalogue",
-           "patched_interpreter", "release_python"]
+__all__ = ["ReleaseError", "ReleaseSpec", "SGLangPatch", "SGLangSource", "match_release", "parse_releases",
+           "patch_catalogue", "patched_interpreter", "release_python"]
