@@ -6,6 +6,7 @@ from canaries.releases.errors import ReleaseError
 from canaries.releases.patches import (
     SGLangPatch,
     patch_catalogue,
+    patch_mirror,
     patched_interpreter,
 )
 from canaries.releases.source import SGLangSource
@@ -13,4 +14,4 @@ from canaries.releases.spec import ReleaseSpec, match_release, parse_releases
 from canaries.releases.venvs import release_python
 
 __all__ = ["ReleaseError", "ReleaseSpec", "SGLangPatch", "SGLangSource", "match_release", "parse_releases",
-           "patch_catalogue", "patched_interpreter", "release_python"]
+           "patch_catalogue", "patch_mirror", "patched_interpreter", "release_python"]

@@ -1,10 +1,12 @@
 """Planted regressions of an installed SGLang release, applied to a throwaway copy.
 
 Like the engine's regression catalogue (`canaries/regressions/`), each entry names a file of
-the `sglang` package, an exact snippet that must occur once, and its replacement. A patched
-release runs from a mirror of the installed package: the directories on the patched files'
-paths are real, everything else is a symlink to the venv's own files, so the venv itself is
-never touched. A small wrapper interpreter puts the mirror first on PYTHONPATH.
+the `sglang` package, an exact snippet that must occur once, and its replacement. A column may
+also carry unified diffs (a PR, a local change: canaries/releases/diffs.py), applied after the
+catalogue's patches. A patched release runs from a mirror of the installed package: the
+directories on the patched files' paths are real, the patched files real copies, everything else
+a symlink to the venv's own files, so the venv itself is never touched. A small wrapper
+interpreter puts the mirror first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.releases.spec import ReleaseError
+from canaries.releases.diffs import DiffSection, apply_section, diff_sections, read_diff
+from canaries.releases.errors import ReleaseError
 
-__all__ = ["SGLangPatch", "patch_catalogue", "patched_interpreter"]
+__all__ = ["SGLangPatch", "patch_catalogue", "patch_mirror", "patched_interpreter"]
 
 
 @dataclass(frozen=True)
@@ -111,24 +114,45 @@ def _mirror(source: Path, target: Path, real_paths: set[Path]) -> None:
             dest.symlink_to(entry.path)
 
 
-def patched_interpreter(python: Path, version: str, patch_names: tuple[str, ...], workdir: Path) -> tuple[Path, str]:
-    """A wrapper interpreter running `python` with its sglang patched by `patch_names`, under
-    `workdir`; returns it and the combined diff."""
+def patch_mirror(package: Path, site: Path, version: str, patch_names: tuple[str, ...] = (),
+                 diffs: tuple[str, ...] = ()) -> str:
+    """Mirror the installed `package` (a `sglang` directory) as `site/sglang`, then apply the
+    catalogue's `patch_names` and the unified `diffs` (paths) to the mirror, in that order;
+    return the combined diff. `package` itself is never written."""
     catalogue = patch_catalogue()
     unknown = [n for n in patch_names if n not in catalogue]
     if unknown:
         raise ReleaseError(f"unknown SGLang patch {', '.join(unknown)}; known: {', '.join(sorted(catalogue))}")
     patches = [catalogue[n] for n in patch_names]
-    package = _package_dir(python)
+    texts = {diff: read_diff(diff) for diff in diffs}
+    sections: list[tuple[str, DiffSection]] = [
+        (Path(diff).name, section) for diff, text in texts.items() for section in diff_sections(text, Path(diff).name)]
     real: set[Path] = set()
     for patch in patches:
         path = package / patch.file
         if not path.is_file():
             raise ReleaseError(f"patch {patch.name}: SGLang {version} has no {patch.file}")
         real.update([path, *path.parents])
-    site = workdir / "site"
+    for _, section in sections:
+        for name in section.files:
+            path = package / name
+            real.update([path, *path.parents])  # a new file: its existing parents become real
     _mirror(package, site / "sglang", real)
-    diff = "".join(p.apply(site / "sglang", version) for p in patches)
+    combined = "".join(p.apply(site / "sglang", version) for p in patches)
+    for name, section in sections:
+        apply_section(site, section, name, version)
+    for text in texts.values():
+        combined += text if not text or text.endswith("\n") else text + "\n"
+    return combined
+
+
+def patched_interpreter(python: Path, version: str, patch_names: tuple[str, ...], workdir: Path,
+                        diffs: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """A wrapper interpreter running `python` with its sglang patched by `patch_names` and then
+    the unified `diffs` (paths), under `workdir`; returns it and the combined diff. An empty
+    diff applies nothing: the wrapper then runs the release as it is."""
+    site = workdir / "site"
+    diff = patch_mirror(_package_dir(python), site, version, patch_names, diffs)
     wrapper = workdir / "bin" / "python"
     wrapper.parent.mkdir(parents=True, exist_ok=True)
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{python}" "$@"\n',
