@@ -3,8 +3,9 @@
 Runs the selection twice, `memory: native` and `memory: sglang` (the engine under an interpreter
 that has sglang), and compares each scenario's verdict, detectors and detection latency. Every
 difference must be a known divergence of that SGLang version, recorded with its reason in
-`configs/parity/sglang-<version>.yaml` (and the recorded verdict must be the one seen): anything
-else is unexplained and fails the run. Writes `parity.md` and `parity.json` beside the two runs.
+`configs/parity/sglang-<version>.yaml` (or inherited: canaries/divergences.py; the recorded
+verdict must be the one seen): anything else is unexplained and fails the run. Writes `parity.md`
+and `parity.json` beside the two runs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from canaries.divergences import PARITY_DIR, known_divergences
 
-__all__ = ["ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations", "lost_sglang_hits", "run_parity",
-           "unsupported_reason"]
-
-PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
+__all__ = ["PARITY_DIR", "ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
+           "lost_sglang_hits", "run_parity", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,7 @@ class ParityResult:
     rows: list[ParityRow]
     native_failures: list[str]
     report_dir: Path
+    divergences: str = ""  # which configs/parity/ file(s) the known divergences came from
 
     @property
     def unexplained(self) -> list[ParityRow]:
@@ -57,6 +57,7 @@ class ParityResult:
 
     def to_markdown(self) -> str:
         lines = [f"# Parity: native vs SGLang {self.version}", "",
+                 *([f"Known divergences: {self.divergences}", ""] if self.divergences else []),
                  "| scenario | native | sglang | detectors (native / sglang) | latency | status |",
                  "|---|---|---|---|---|---|"]
         for r in self.rows:
@@ -75,21 +76,16 @@ class ParityResult:
         return "\n".join(lines) + "\n"
 
 
-def expectations_path(version: str) -> Path:
-    return PARITY_DIR / f"sglang-{version}.yaml"
+def expectations_path(version: str, parity_dir: Path = PARITY_DIR) -> Path:
+    """Where SGLang `version`'s own parity file is (it may not exist: see load_expectations)."""
+    return parity_dir / f"sglang-{version}.yaml"
 
 
-def load_expectations(version: str) -> dict[str, dict]:
-    """Known divergences of SGLang `version`: scenario -> {verdict, reason}."""
-    path = expectations_path(version)
-    if not path.is_file():
-        return {}
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    entries = doc.get("divergences") or {}
-    for name, entry in entries.items():
-        if not isinstance(entry, dict) or not entry.get("verdict") or not entry.get("reason"):
-            raise ValueError(f"{path}: divergence {name!r} needs a verdict and a reason")
-    return entries
+def load_expectations(version: str, parity_dir: Path = PARITY_DIR) -> dict[str, dict]:
+    """Known divergences of SGLang `version`: scenario -> {verdict, reason}, its own file's and
+    what that inherits, or the nearest older release's (canaries/divergences.py); the files
+    they came from: `known_divergences(version).files`."""
+    return known_divergences(version, parity_dir).entries
 
 
 def engine_sglang_version(engine_python: str) -> str:
@@ -196,10 +192,13 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
                       engine_python=engine_python)
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
     unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) for r in sglang}
-    rows = compare(native, sglang, load_expectations(version), lost, unsupported)
-    result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir)
+    known = known_divergences(version)
+    rows = compare(native, sglang, known.entries, lost, unsupported)
+    result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir,
+                          known.describe())
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(
-        {"sglang_version": version, "rows": [r.to_dict() for r in rows],
+        {"sglang_version": version, "divergences": known.describe(),
+         "divergence_files": [str(f) for f in known.files], "rows": [r.to_dict() for r in rows],
          "native_failures": result.native_failures, "ok": result.ok}, indent=2).encode() + b"\n")
     return result

@@ -1,5 +1,6 @@
 """`canary parity`: the library on our memory path and on SGLang's own; exit 1 on an
-unexplained difference (one not recorded in configs/parity/sglang-<version>.yaml)."""
+unexplained difference (one not recorded in configs/parity/sglang-<version>.yaml, nor inherited
+by it or, for a release with no file, from the nearest older release's: canaries/divergences.py)."""
 
 from __future__ import annotations
 
