@@ -3,9 +3,11 @@
 Runs the selection once on `memory: native` and once per release column on `memory: sglang`
 (every part of the memory path the release has), in that release's pinned venv, and puts each
 scenario x release cell beside the native verdict: `same`, `known` (the difference is recorded
-with its reason in configs/parity/sglang-<version>.yaml) or `unexplained`. Writes matrix.md,
-matrix.json and matrix.html; each column's run (verdicts, events, engine logs) is kept under
-`runs/<column>/`.
+with its reason in configs/parity/sglang-<version>.yaml, or inherited: canaries/divergences.py) or
+`unexplained`. A column is a release on the index, a wheel or a source checkout, optionally with
+patches and diffs (canaries/releases/spec.py); each column's report says exactly what ran.
+Writes matrix.md, matrix.json and matrix.html; each column's run (verdicts, events, engine logs)
+is kept under `runs/<column>/`.
 
 As a pre-release gate (`last` and `candidate`), a scenario that passed on the last release and
 does not on the candidate is a regression: the gate fails and names it.
@@ -14,6 +16,7 @@ does not on the candidate is a regression: the gate fails and names it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import tempfile
 import time
@@ -22,17 +25,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from canaries.divergences import known_divergences
 from canaries.parity import (
     compare,
     detectors_of,
     engine_sglang_version,
-    load_expectations,
     lost_sglang_hits,
     unsupported_reason,
 )
-from canaries.releases import ReleaseError, ReleaseSpec, patched_interpreter, release_python
+from canaries.releases import (
+    ReleaseError,
+    ReleaseSpec,
+    SGLangSource,
+    patched_interpreter,
+    release_python,
+)
+from canaries.releases.spec import file_label
+from canaries.releases.versions import same_version, version_key
 
-__all__ = ["Cell", "GateResult", "MatrixResult", "Column", "gate", "run_matrix"]
+__all__ = ["Cell", "GateResult", "MatrixResult", "Column", "describe_provenance", "gate", "run_matrix"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,8 @@ class Cell:
 @dataclass(frozen=True)
 class Column:
     """A release column as it ran: its spec, the sglang version its interpreter reported, the
-    interpreter, the memory parts that were SGLang's, its wall time and any planted diff."""
+    interpreter, the memory parts that were SGLang's, its wall time, any planted diff, what
+    exactly ran (`ReleaseSpec.provenance()`) and which parity file(s) explained its cells."""
 
     label: str
     version: str
@@ -59,6 +71,34 @@ class Column:
     patches: tuple[str, ...] = ()
     diff: str = ""
     memory_parts: dict[str, str] = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+    divergences: str = ""  # e.g. `sglang-0.5.20.yaml (inherited)`
+
+    @property
+    def source(self) -> str:
+        """What ran, in one line: the source kind and its fingerprint, then patches and diffs."""
+        return describe_provenance(self.provenance)
+
+
+def describe_provenance(prov: dict) -> str:
+    """`ReleaseSpec.provenance()` in one line (`wheel sha256 ...; diff pr.diff sha256 ...`)."""
+    if not prov:
+        return "?"
+    kind = prov.get("kind", "?")
+    if kind == "wheel":
+        parts = [f"wheel {Path(prov['path']).name} sha256 {prov['sha256']}"]
+    elif kind == "tree":
+        head = f"tree {prov['path']}"
+        if prov.get("commit"):
+            head += f" at {prov['commit']}" + (" (dirty)" if prov.get("dirty") else "")
+        if prov.get("py_sha256"):
+            head += f", .py sha256 {prov['py_sha256']}"
+        parts = [head]
+    else:
+        parts = [kind]
+    parts += [f"patch {name}" for name in prov.get("patches") or ()]
+    parts += [f"diff {Path(d['path']).name} sha256 {d['sha256']}" for d in prov.get("diffs") or ()]
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -135,11 +175,13 @@ class MatrixResult:
         labels = [c.label for c in self.columns]
         lines = ["# Release matrix: native vs SGLang's own memory path", "",
                  f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side).", "",
-                 "| column | sglang | parts from SGLang | wall time |", "|---|---|---|---|",
-                 f"| native | - | - | {self.native_seconds:.0f}s |"]
+                 "| column | sglang | what ran | divergences | parts from SGLang | wall time |",
+                 "|---|---|---|---|---|---|",
+                 f"| native | - | - | - | - | {self.native_seconds:.0f}s |"]
         for c in self.columns:
             parts = ", ".join(k for k, v in c.memory_parts.items() if v.startswith("sglang")) or "?"
-            lines.append(f"| {c.label} | {c.version} | {parts} | {c.seconds:.0f}s |")
+            lines.append(f"| {c.label} | {c.version} | {c.source} | {c.divergences or '-'} | {parts} "
+                         f"| {c.seconds:.0f}s |")
         lines += ["", "| scenario | native | " + " | ".join(labels) + " |",
                   "|---|---|" + "---|" * len(labels)]
         for name, row in self.cells.items():
@@ -181,11 +223,6 @@ def _cell_md(cell: Cell) -> str:
     return f"{verdict} {mark}".strip()
 
 
-def _version_key(label: str) -> tuple[int, ...]:
-    version = label.split("+", 1)[0]
-    return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
-
-
 def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
     passed = {r.scenario: r.passed for r in column}
     lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
@@ -206,6 +243,18 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
             if owner and (part not in merged or owner.startswith("sglang")):
                 merged[part] = owner
     return merged
+
+
+def _base_python(source: SGLangSource, **kwargs: Any) -> Path:
+    """The venv interpreter of `source` (built when missing and allowed)."""
+    # release_python takes the SGLangSource itself; an older one, a version string, can only
+    # build releases from the index.
+    first = next(iter(inspect.signature(release_python).parameters))
+    if first != "version":
+        return release_python(source, **kwargs)
+    if source.kind != "index":
+        raise ReleaseError(f"release {source.label}: venvs of {source.kind}s are not supported yet")
+    return release_python(source.version, **kwargs)
 
 
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
@@ -233,18 +282,26 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             raise ReleaseError(f"{name} {value}: not one of the columns ({', '.join(labels)})")
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    # What each column is, fingerprinted before anything runs (a wheel or tree changed during
+    # the run would not match the report).
+    provenance = {spec.label: spec.provenance() for spec in releases}
     # Venvs first: a release that cannot be had fails the run before anything runs.
-    pythons = {r.version: release_python(r.version, build=build, log=log,
-                                         build_log=report_dir / f"venv-{r.version}.log") for r in releases}
+    pythons: dict[SGLangSource, Path] = {}
+    for spec in releases:
+        if spec.base not in pythons:
+            pythons[spec.base] = _base_python(
+                spec.base, build=build, log=log,
+                build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
     with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
         interpreters: dict[str, tuple[Path, str]] = {}
         for spec in releases:
-            python, diff = pythons[spec.version], ""
-            if spec.patches:
-                python, diff = patched_interpreter(python, spec.version, spec.patches, Path(scratch) / spec.label)
-                write_atomic(report_dir / f"patch-{spec.label}.diff", diff.encode())
+            python, diff = pythons[spec.base], ""
+            if spec.patches or spec.diffs:
+                python, diff = patched_interpreter(python, spec.version, spec.patches,
+                                                   Path(scratch) / file_label(spec.label), spec.diffs)
+                write_atomic(report_dir / f"patch-{file_label(spec.label)}.diff", diff.encode())
             version = engine_sglang_version(str(python))
-            if version != spec.version:
+            if not same_version(version, spec.version):
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
         # Each release's warm fork server imports torch and sglang (seconds): start them all now,
@@ -260,7 +317,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             python = None if label == "native" else str(interpreters[label][0])
             t0 = time.monotonic()
             try:
-                records = run_many(scenarios, report_dir / "runs" / label, jobs=jobs, latch=latch,
+                records = run_many(scenarios, report_dir / "runs" / file_label(label), jobs=jobs, latch=latch,
                                    progress=Prefixed(f"[{label}]", shown) if shown else False,
                                    **({} if python is None else {"memory": "sglang", "engine_python": python}))
             finally:
@@ -272,7 +329,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
                 ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
             # Newest releases first: older ones refuse more configurations here and finish sooner,
             # so the last columns to start are the short ones (no long tail on one column).
-            order = ["native", *sorted(labels, key=lambda lb: _version_key(lb), reverse=True)]
+            newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
+            order = ["native", *(spec.label for spec in newest)]
             runs = {label: pool.submit(column, label) for label in order}
             done = {label: future.result() for label, future in runs.items()}
         wall_seconds = time.monotonic() - started
@@ -283,10 +341,12 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     for spec in releases:
         records, seconds = done[spec.label]
         python, diff = interpreters[spec.label]
+        # A patched or diffed column is held to its base's divergences: the change is what is judged.
+        known = known_divergences(spec.version)
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
-                              _memory_parts(records)))
-        for name, cell in _cells(native, records, load_expectations(spec.version),
-                                 report_dir / "runs" / spec.label).items():
+                              _memory_parts(records), provenance[spec.label], known.describe()))
+        for name, cell in _cells(native, records, known.entries,
+                                 report_dir / "runs" / file_label(spec.label)).items():
             cells[name][spec.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
     result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds)

@@ -3,6 +3,12 @@
     canary matrix --sglang 0.5.18,0.5.19,0.5.20,0.5.23 [-j N] [--report-dir DIR]
     canary matrix --config configs/matrix/releases.yaml
     canary matrix --last 0.5.23 --candidate 0.5.23+free-swa-contract-removed    # the gate
+    canary matrix --last 0.5.23 --candidate ./dist/sglang-0.5.24-...whl          # a wheel
+    canary matrix --last 0.5.23 --candidate ~/src/sglang                         # a checkout
+    canary matrix --last 0.5.23 --candidate 0.5.23+./pr.diff                     # a diff
+
+A release is a version on the index, a wheel file or a source checkout, each optionally
+followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` parts.
 
 Exit 0 when every cell is explained (or, as a gate, when no scenario that passed on `--last`
 fails on `--candidate`), 1 otherwise (naming the scenarios), 2 on bad arguments or a release
@@ -32,11 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     matrix.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
     matrix.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
     matrix.add_argument("--sglang", metavar="RELEASES",
-                        help="comma-separated releases, e.g. 0.5.18,0.5.23; VERSION+PATCH plants a "
-                             "catalogued patch in a throwaway copy")
+                        help="comma-separated releases: versions (0.5.18,0.5.23), wheel files, source "
+                             "checkouts; +PATCH or +FILE.diff applies a catalogued patch or a diff to a "
+                             "throwaway copy")
     matrix.add_argument("--config", metavar="FILE", help="a YAML file with sglang: [...] (and last, candidate, jobs)")
-    matrix.add_argument("--last", metavar="RELEASE", help="gate: the release the candidate must not fall behind")
-    matrix.add_argument("--candidate", metavar="RELEASE", help="gate: the release under test")
+    matrix.add_argument("--last", metavar="RELEASE", help="gate: the release the candidate must not fall behind "
+                        "(any form --sglang takes, or a column's label)")
+    matrix.add_argument("--candidate", metavar="RELEASE", help="gate: the release under test (a version, a wheel, "
+                        "a checkout, BASE+PATCH, BASE+FILE.diff)")
     matrix.add_argument("--jobs", "-j", type=int, default=None, help="scenarios run at once (default 1)")
     matrix.add_argument("--columns", type=int, default=3, metavar="N",
                         help="release columns run side by side (default 3; each runs --jobs scenarios)")
@@ -75,7 +84,7 @@ def read_config(path: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     from canaries.commands.run import select
     from canaries.matrix import run_matrix
-    from canaries.releases import ReleaseError, parse_releases
+    from canaries.releases import ReleaseError, match_release, parse_releases
     from canaries.runner import RunInterrupted, default_report_dir, new_run_id
 
     config = read_config(args.config) if args.config else {}
@@ -92,9 +101,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--columns: at least 1")
     try:
         releases = parse_releases(raw, where=where) if raw else []
-        for extra in (last, candidate):  # the gate's two releases need not be listed again
-            if extra and extra not in [r.label for r in releases]:
-                releases += parse_releases([extra], where="--last/--candidate")
+        gate_labels = []
+        for name, extra in (("--last", last), ("--candidate", candidate)):
+            if not extra:
+                continue
+            # The gate's two releases need not be listed again; named as in the list (or by its
+            # label), they are that column.
+            spec = match_release(extra, releases, where=name)
+            if spec not in releases:
+                releases.append(spec)
+            gate_labels.append(spec.label)
+        if gate_labels:
+            last, candidate = gate_labels
         if not releases:
             raise UsageError("name the releases: --sglang 0.5.20,0.5.23, --config FILE, or --last/--candidate")
     except ReleaseError as exc:

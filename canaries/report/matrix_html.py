@@ -1,5 +1,6 @@
 """The release matrix as one self-contained HTML page: scenario x release, each cell coloured
-by how it compares with the native verdict, the reason on hover and below."""
+by how it compares with the native verdict, the reason on hover and below; each column's header
+says what ran (source, fingerprints, patches, diffs) and where its known divergences came from."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 th{background:#f3f3f3;position:sticky;top:0}
 td.same{background:#eef8ee}td.known{background:#fff6d9}td.unexplained{background:#fbd5d5;font-weight:bold}
 td.native{background:#f6f6f6}.fail{text-decoration:line-through}.gate-fail{color:#a00}.gate-pass{color:#070}
-small{color:#666}
+small{color:#666}th small{display:inline-block;max-width:24em;word-break:break-all}
 """
 
 
@@ -30,7 +31,8 @@ def _cell(cell: Any) -> str:
 def matrix_html(result: Any) -> str:
     """The page for a `MatrixResult`."""
     labels = [c.label for c in result.columns]
-    head = "".join(f"<th>{escape(c.label)}<br><small>sglang {escape(c.version)}, {c.seconds:.0f}s</small></th>"
+    head = "".join(f"<th>{escape(c.label)}<br><small>sglang {escape(c.version)}, {c.seconds:.0f}s<br>"
+                   f"{escape(c.source)}<br>divergences: {escape(c.divergences or '-')}</small></th>"
                    for c in result.columns)
     rows = []
     for name, row in result.cells.items():
