@@ -1,40 +1,42 @@
 #!/usr/bin/env bash
-# Build (or refresh) a CPU-only virtual environment with SGLang's own KV allocator importable.
+# Build (or refresh) a CPU-only virtual environment with an SGLang candidate importable.
 #
-#     bash scripts/make-sglang-venv.sh [--version X] [VENV]
+#     bash scripts/make-sglang-venv.sh [--version X | --source WHEEL_OR_TREE] [--relock] [VENV]
 #
 # Without --version: SGLang 0.5.23 into VENV, default .venv-sglang in the repo root (what CI
-# builds). With --version X: release X into VENV, default .venv-sglang-X in the repo root. Each
-# release's pinned import closure is configs/sglang/X.pins (one requirement a line, a comment
-# naming the module that first needs it); a release without a pins file is refused.
+# builds). With --version X: any release on the package index, into .venv-sglang-X by default.
+# With --source: a wheel file (.venv-sglang-wheel-<sha256[:12]>) or a source checkout, its repo
+# root or its python/ directory, linked in place (.venv-sglang-tree-<sha256(path)[:12]>).
 #
-# What it installs, all pinned, in this order:
+# What it installs, in this order:
 #   1. torch==2.13.0, the local CPU build, with its own dependencies pinned. It goes first, and
 #      the script stops before downloading anything if pip would pick any build but `+cpu`, so
 #      no unpinned or CUDA torch ever lands here.
-#   2. sglang==X with --no-deps (its metadata asks for flashinfer, CUDA kernels, ..., and
-#      0.5.23's for torch==2.14.1), then, also --no-deps, exactly the packages that the import check below reaches
-#      (found by trial: import, read the ModuleNotFoundError, add). `pip check` therefore lists
-#      unmet requirements of sglang itself (the GPU stack) and of a few packages whose unused
-#      parts are never imported. A venv that holds another sglang release is refused: its
-#      closure would mix with this one's.
-#   3. torchvision==0.28.0 (the release paired with torch 2.13), in every release's pins:
-#      sglang.srt.configs imports torchvision.transforms unconditionally (configs/
-#      nano_nemotron_vl.py -> multimodal/internvl_utils.py). PyPI has only CUDA builds of
-#      torchvision, whose _C.so lists libc10_cuda.so and libtorch_cuda.so as needed libraries;
-#      a CPU torch has neither, _C.so fails to load, and `import torchvision` dies with
-#      "operator torchvision::nms does not exist". The script compiles two tiny stand-ins for
-#      those two libraries (the 16 CUDA symbols _C.so references; each aborts if ever called,
-#      which cannot happen without a CUDA tensor) and a .pth hook that preloads them, with
-#      torchvision's bundled libcudart, the first time `torchvision` is imported. torchvision
-#      itself stays the real package, CPU kernels included (torchvision.ops.nms runs).
-#      Needs gcc (on every machine of this kind).
+#   2. torchvision's CUDA-library stand-ins (below): sglang.srt.configs imports
+#      torchvision.transforms unconditionally (configs/nano_nemotron_vl.py ->
+#      multimodal/internvl_utils.py). PyPI has only CUDA builds of torchvision, whose _C.so lists
+#      libc10_cuda.so and libtorch_cuda.so as needed libraries; a CPU torch has neither, and
+#      `import torchvision` dies with "operator torchvision::nms does not exist". The script
+#      compiles two tiny stand-ins for those libraries (the 16 CUDA symbols _C.so references;
+#      each aborts if ever called, which cannot happen without a CUDA tensor) and a .pth hook
+#      that preloads them, with torchvision's bundled libcudart, the first time `torchvision` is
+#      imported. torchvision itself stays the real package, CPU kernels included. Needs gcc.
+#   3. sglang with --no-deps (its metadata asks for flashinfer, CUDA kernels, ...), then its
+#      import closure, found by canaries/releases/closure.py (no hand-written pins): with a lock
+#      for this candidate (configs/sglang/X.lock for a release, kept in the repo for the
+#      releases CI runs; the venv's own sglang-closure.lock for a wheel or tree) it installs the
+#      lock --no-deps and checks it imports; without one it resolves the closure from the
+#      release's own requirements, the nearest release's lock as a first guess, and the import
+#      check's failures, then writes the lock (configs/sglang/X.lock for a release). --relock
+#      resolves even where a lock exists and rewrites it. Every pip call is constrained to
+#      torch==2.13.0. `pip check` therefore lists unmet requirements of sglang itself (the GPU
+#      stack) and of packages whose unused parts are never imported. A venv that holds another
+#      release is refused: its closure would mix with this one's.
 #
-# Idempotent: pinned packages already present are left alone, the stand-ins are rebuilt only
-# when their source changes. It ends by running the import check (and prints its time): the
-# allocator modules, the memory pool, the invariants, and the radix caches the release ships
-# (swa_radix_cache up to 0.5.20, unified_radix_cache with what it needs), plus the engine's
-# HTTP stack.
+# Idempotent: what is installed already is left alone, the stand-ins are rebuilt only when their
+# source changes. The import check (canaries/releases/import_check.py) covers the allocator
+# modules, the memory pool, the invariants, the radix caches the release ships, and the engine's
+# own modules and HTTP stack; the script prints what it resolved and how long it took.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,11 +45,16 @@ PYTHON_BIN="${PYTHON:-python3}"
 
 usage() { sed -n '4p' "${BASH_SOURCE[0]}" | sed 's/^# *//' >&2; }
 VERSION=""
+SOURCE=""
+RELOCK=()
 VENV=""
 while (($#)); do
     case "$1" in
         --version) VERSION="${2:?--version needs a release, e.g. 0.5.18}"; shift 2 ;;
         --version=*) VERSION="${1#--version=}"; shift ;;
+        --source) SOURCE="${2:?--source needs a wheel file or a source directory}"; shift 2 ;;
+        --source=*) SOURCE="${1#--source=}"; shift ;;
+        --relock) RELOCK=(--relock); shift ;;
         -h | --help) usage; exit 0 ;;
         -*) echo "make-sglang-venv: unknown option $1" >&2; usage; exit 2 ;;
         *)
@@ -55,11 +62,25 @@ while (($#)); do
             VENV="$1"; shift ;;
     esac
 done
-if [[ -z "$VERSION" ]]; then
+if [[ -n "$VERSION" && -n "$SOURCE" ]]; then
+    echo "make-sglang-venv: --version or --source, not both" >&2; exit 2
+fi
+if [[ -n "$SOURCE" ]]; then
+    [[ -e "$SOURCE" ]] || { echo "make-sglang-venv: --source $SOURCE: no such file or directory" >&2; exit 2; }
+    SOURCE="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
+    if [[ -f "$SOURCE" ]]; then
+        VENV="${VENV:-$REPO_ROOT/.venv-sglang-wheel-$(sha256sum "$SOURCE" | cut -c1-12)}"
+    else
+        VENV="${VENV:-$REPO_ROOT/.venv-sglang-tree-$(printf '%s' "$SOURCE" | sha256sum | cut -c1-12)}"
+    fi
+    CANDIDATE=(--source "$SOURCE")
+elif [[ -z "$VERSION" ]]; then
     VERSION="$DEFAULT_VERSION"
     VENV="${VENV:-$REPO_ROOT/.venv-sglang}"
+    CANDIDATE=(--version "$VERSION")
 else
     VENV="${VENV:-$REPO_ROOT/.venv-sglang-$VERSION}"
+    CANDIDATE=(--version "$VERSION")
 fi
 
 TORCH_PIN=(
@@ -67,21 +88,6 @@ TORCH_PIN=(
     filelock==4.3.1 typing-extensions==4.16.0 setuptools==84.2.1 sympy==1.14.0 mpmath==1.3.0
     networkx==3.6.1 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0
 )
-# The import closure of the release, each pin with the module that first needs it.
-PINS_FILE="$REPO_ROOT/configs/sglang/$VERSION.pins"
-if [[ ! -f "$PINS_FILE" ]]; then
-    echo "make-sglang-venv: no pins for sglang $VERSION ($PINS_FILE); releases with pins:" \
-        "$(cd "$REPO_ROOT/configs/sglang" && ls -- *.pins | sed 's/\.pins$//' | tr '\n' ' ')" >&2
-    exit 2
-fi
-mapfile -t SGLANG_PINS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$PINS_FILE")
-if ! printf '%s\n' "${SGLANG_PINS[@]}" | grep -qxF "sglang==$VERSION"; then
-    echo "make-sglang-venv: $PINS_FILE does not pin sglang==$VERSION" >&2
-    exit 2
-fi
-# What engine_stub itself needs to serve from this venv (--engine-python): its HTTP stack.
-ENGINE_PINS=(fastapi==0.165.0 uvicorn==0.54.0 click==8.5.1 annotated-doc==0.0.7 opentelemetry-api==1.45.2)
-
 log() { printf 'make-sglang-venv: %s\n' "$*" >&2; }
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -91,12 +97,12 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --quiet --disable-pip-version-check)
 installed="$("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null || true)"
-if [[ -n "$installed" && "$installed" != "$VERSION" ]]; then
+if [[ -n "$VERSION" && -n "$installed" && "$installed" != "$VERSION" ]]; then
     log "$VENV holds sglang $installed, not $VERSION; refusing to mix their closures (pick another VENV)"
     exit 1
 fi
 
-# Every pip call below carries this constraint: nothing may move torch off 2.13.0.
+# Every pip call carries this constraint: nothing may move torch off 2.13.0.
 CONSTRAINTS="$VENV/.sglang-venv-constraints.txt"
 echo "torch==2.13.0" >"$CONSTRAINTS"
 
@@ -119,13 +125,7 @@ if [[ "$torch_version" != "2.13.0+cpu" ]]; then
     "${PIP[@]}" install -c "$CONSTRAINTS" "${TORCH_PIN[@]}"
 fi
 
-# ---- 2. sglang and its import closure, no dependency resolution ------------------------------
-log "installing sglang==$VERSION and its import closure (${#SGLANG_PINS[@]} pins from ${PINS_FILE#"$REPO_ROOT"/}, --no-deps)"
-"${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${SGLANG_PINS[@]}"
-log "installing the engine's own HTTP stack (${ENGINE_PINS[*]}, --no-deps)"
-"${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${ENGINE_PINS[@]}"
-
-# ---- 3. the CUDA-library stand-ins that let PyPI's torchvision load over a CPU torch ----------
+# ---- 2. the CUDA-library stand-ins that let PyPI's torchvision load over a CPU torch ----------
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 SHIM_DIR="$SITE/_sglang_cpu_shim"
 mkdir -p "$SHIM_DIR"
@@ -222,58 +222,8 @@ def install():
 EOF
 echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_shim.pth"
 
-# ---- the import check ------------------------------------------------------------------------
-log "import check"
-SGLANG_VERSION="$VERSION" "$PY" - <<'EOF'
-import importlib
-import importlib.metadata as md
-import importlib.util
-import os
-import time
-import warnings
-
-warnings.filterwarnings("ignore")
-t0 = time.perf_counter()
-import torch
-
-t_torch = time.perf_counter() - t0
-import sglang.srt.mem_cache.allocator.swa as swa
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.utils import invariants
-
-# The radix caches: each must import where the release ships it (0.5.23 has no swa_radix_cache).
-RADIX = {
-    "sglang.srt.mem_cache.swa_radix_cache": "SWARadixCache",
-    "sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache",
-}
-RADIX_NEEDS = ["sglang.srt.mem_cache.unified_cache", "sglang.srt.mem_cache.cache_init_params",
-               "sglang.srt.mem_cache.base_prefix_cache", "sglang.srt.mem_cache.radix_cache"]
-shipped = [name for name in RADIX if importlib.util.find_spec(name) is not None]
-assert "sglang.srt.mem_cache.unified_radix_cache" in shipped, "no unified_radix_cache in this sglang"
-for name in shipped:
-    getattr(importlib.import_module(name), RADIX[name])
-for name in RADIX_NEEDS:
-    importlib.import_module(name)
-
-import fastapi, uvicorn, yaml  # noqa: E401,F401 - the engine serves from this venv too
-
-total = time.perf_counter() - t0
-assert torch.version.cuda is None and torch.__version__ == "2.13.0+cpu", torch.__version__
-assert md.version("sglang") == os.environ["SGLANG_VERSION"], md.version("sglang")
-
-import torchvision
-from torchvision.ops import nms
-
-boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 11, 11], [50, 50, 60, 60]], dtype=torch.float)
-assert nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5).tolist() == [0, 2]
-print(
-    f"sglang {md.version('sglang')} allocator import OK on torch {torch.__version__}, "
-    f"torchvision {torchvision.__version__} (CPU ops work): {total:.2f} s "
-    f"(import torch {t_torch:.2f} s, sglang after it {total - t_torch:.2f} s); "
-    f"radix caches: {', '.join(RADIX[name] for name in shipped)}"
-)
-EOF
+# ---- 3. sglang and its import closure (canaries/releases/closure.py) ---------------------------
+started=$SECONDS
+PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m canaries.releases.closure \
+    "${CANDIDATE[@]}" --lock-dir "$REPO_ROOT/configs/sglang" "${RELOCK[@]}"
+log "$VENV ready ($((SECONDS - started))s for sglang and its closure)"

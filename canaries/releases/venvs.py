@@ -1,28 +1,52 @@
-"""One pinned venv per SGLang release, built once by scripts/make-sglang-venv.sh and reused.
+"""One venv per SGLang candidate, built once by scripts/make-sglang-venv.sh and reused.
 
-`.venv-sglang-<version>` in the repo root (0.5.23 may also be the historical `.venv-sglang`).
-A venv counts only if the sglang it imports is the release asked for.
+A release from the index lives in `.venv-sglang-<version>` in the repo root (0.5.23 may also be
+the historical `.venv-sglang`); a wheel in `.venv-sglang-wheel-<sha256[:12]>`; a source tree in
+`.venv-sglang-tree-<sha256(path)[:12]>`. A venv counts only if the sglang it imports is the one
+asked for: the release's version, the wheel's hash, the tree (a tree's venv is re-checked at
+every use, since the tree may have changed what it imports). The closure each venv holds is
+resolved by canaries/releases/closure.py and recorded in its `sglang-closure.lock`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from canaries.releases.spec import ReleaseError
 
-__all__ = ["installed_version", "release_python", "venv_candidates"]
+__all__ = ["installed_version", "release_python", "venv_candidates", "venv_for"]
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE_VENV = REPO / "scripts" / "make-sglang-venv.sh"
+VENV_LOCK = "sglang-closure.lock"
 
 
 def venv_candidates(version: str, root: Path = REPO) -> list[Path]:
-    """Where the venv of `version` may be, in order of preference."""
+    """Where the venv of release `version` may be, in order of preference."""
     return [root / f".venv-sglang-{version}", root / ".venv-sglang"]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def venv_for(source: Any, root: Path = REPO) -> tuple[Path, str]:
+    """The venv a non-index source builds into, and the identity its lock must carry."""
+    path = Path(source.path)
+    if source.kind == "wheel":
+        digest = _sha256(path)
+        return root / f".venv-sglang-wheel-{digest[:12]}", f"wheel sha256:{digest}"
+    return root / f".venv-sglang-tree-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}", f"tree {path}"
 
 
 def installed_version(python: Path) -> str | None:
@@ -34,35 +58,46 @@ def installed_version(python: Path) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def release_python(version: str, *, build: bool = True, root: Path = REPO,
+def release_python(source: Any, *, build: bool = True, root: Path = REPO,
                    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
                    build_log: Path | None = None) -> Path:
-    """The interpreter of `version`'s venv, built first when there is none and `build` allows.
+    """The interpreter of `source`'s venv, built first when there is none and `build` allows.
 
-    Raises ReleaseError when it cannot be had (the message says how to build it)."""
-    for venv in venv_candidates(version, root):
-        python = venv / "bin" / "python"
-        if installed_version(python) == version:
-            return python
-    target = root / f".venv-sglang-{version}"
-    command = f"bash scripts/make-sglang-venv.sh --version {version}"
+    `source` is a release version (`"0.5.22"`) or an `SGLangSource` (kind index, wheel or
+    tree). Raises ReleaseError when it cannot be had (the message says how to build it, or the
+    builder's own one-line reason)."""
+    kind, version = getattr(source, "kind", "index"), getattr(source, "version", source)
+    if kind == "index":
+        for venv in venv_candidates(version, root):
+            if installed_version(venv / "bin" / "python") == version:
+                return venv / "bin" / "python"
+        target, args, identity = root / f".venv-sglang-{version}", ["--version", version], ""
+    else:
+        target, identity = venv_for(source, root)
+        args = ["--source", str(source.path)]
+        lock = target / VENV_LOCK
+        if (kind == "wheel" and installed_version(target / "bin" / "python") == version and lock.is_file()
+                and identity in lock.read_text(encoding="utf-8")):
+            return target / "bin" / "python"
+    command = f"bash scripts/make-sglang-venv.sh {' '.join(args)}"
     if not build:
-        raise ReleaseError(f"release {version}: no venv ({target}); build it with `{command}`")
-    log(f"matrix: building the venv of SGLang {version} ({target}; one time, a few minutes)")
+        raise ReleaseError(f"sglang {version} ({kind}): no venv ({target}); build it with `{command}`")
+    log(f"matrix: building the venv of SGLang {version} ({kind}; {target}; the first time, a few minutes)")
     t0 = time.monotonic()
     out = open(build_log, "ab") if build_log is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
-        proc = subprocess.run(["bash", str(MAKE_VENV), "--version", version, str(target)],
+        proc = subprocess.run(["bash", str(MAKE_VENV), *args, str(target)],
                               stdout=out, stderr=subprocess.PIPE, check=False)
     finally:
         if build_log is not None:
             out.close()
-    for line in proc.stderr.decode("utf-8", "replace").splitlines()[-20:]:
+    lines = [line for line in proc.stderr.decode("utf-8", "replace").splitlines() if "is ignored" not in line]
+    for line in lines[-20:]:
         log(f"  {line}")
     python = target / "bin" / "python"
     if proc.returncode != 0 or installed_version(python) != version:
-        raise ReleaseError(f"release {version}: `{command}` failed (exit {proc.returncode}); "
-                           "its last lines are above")
+        reason = next((line for line in reversed(lines) if line.startswith("make-sglang-venv: ")), "")
+        raise ReleaseError(f"sglang {version} ({kind}): `{command}` failed (exit {proc.returncode})"
+                           + (f": {reason.removeprefix('make-sglang-venv: ')}" if reason else ""))
     log(f"matrix: SGLang {version} venv ready in {time.monotonic() - t0:.0f}s")
     return python
-
