@@ -16,7 +16,6 @@ does not on the candidate is a regression: the gate fails and names it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import tempfile
 import time
@@ -245,18 +244,6 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
     return merged
 
 
-def _base_python(source: SGLangSource, **kwargs: Any) -> Path:
-    """The venv interpreter of `source` (built when missing and allowed)."""
-    # release_python takes the SGLangSource itself; an older one, a version string, can only
-    # build releases from the index.
-    first = next(iter(inspect.signature(release_python).parameters))
-    if first != "version":
-        return release_python(source, **kwargs)
-    if source.kind != "index":
-        raise ReleaseError(f"release {source.label}: venvs of {source.kind}s are not supported yet")
-    return release_python(source.version, **kwargs)
-
-
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
                jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None,
@@ -289,9 +276,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     pythons: dict[SGLangSource, Path] = {}
     for spec in releases:
         if spec.base not in pythons:
-            pythons[spec.base] = _base_python(
-                spec.base, build=build, log=log,
-                build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
+            pythons[spec.base] = release_python(spec.base, build=build, log=log,
+                                                build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
     with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
         interpreters: dict[str, tuple[Path, str]] = {}
         for spec in releases:
