@@ -71,6 +71,8 @@ if [[ -n "$SOURCE" ]]; then
     if [[ -f "$SOURCE" ]]; then
         VENV="${VENV:-$REPO_ROOT/.venv-sglang-wheel-$(sha256sum "$SOURCE" | cut -c1-12)}"
     else
+        # A checkout's root or its python/ directory: the venv is named after the one holding sglang/.
+        [[ -d "$SOURCE/python/sglang" ]] && SOURCE="$SOURCE/python"
         VENV="${VENV:-$REPO_ROOT/.venv-sglang-tree-$(printf '%s' "$SOURCE" | sha256sum | cut -c1-12)}"
     fi
     CANDIDATE=(--source "$SOURCE")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import importlib.metadata as metadata
 import json
 import os
@@ -35,11 +34,13 @@ import subprocess
 import sys
 import sysconfig
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from canaries.releases.errors import ReleaseError
 from canaries.releases.locks import Lock, LockPin, nearest_lock, normalize, read_lock
+from canaries.releases.provenance import file_sha256
+from canaries.releases.source import SGLangSource
 
 try:
     from packaging.requirements import Requirement
@@ -88,78 +89,26 @@ class Resolution:
 
 # ---- the candidate itself -----------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Candidate:
-    """Where sglang comes from: `index` (a release), `wheel` (a file) or `tree` (a checkout's
-    `python/` directory, linked into the venv in place)."""
-
-    kind: str
-    version: str
-    path: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("index", "wheel", "tree"):
-            raise ClosureError(f"candidate kind {self.kind!r}: index, wheel or tree")
-        if self.kind != "index" and not self.path:
-            raise ClosureError(f"a {self.kind} candidate needs its path")
-
-    @classmethod
-    def of(cls, version: str | None, source: str | None) -> Candidate:
-        if not source:
-            if not version:
-                raise ClosureError("name a release (--version) or a wheel or source tree (--source)")
-            return cls("index", version)
-        path = Path(source).resolve()
-        if path.is_file() and path.suffix == ".whl":
-            return cls("wheel", wheel_version(path), str(path))
-        if path.is_dir():
-            package_root = tree_package_root(path)
-            return cls("tree", tree_version(package_root), str(package_root))
-        raise ClosureError(f"--source {source}: neither a .whl file nor a source directory")
-
-    def identity(self) -> str:
-        """What a venv's lock must match to be reused: the release, the wheel's hash, the tree."""
-        if self.kind == "wheel":
-            return f"wheel sha256:{sha256_file(Path(self.path))}"
-        if self.kind == "tree":
-            return f"tree {self.path}"
-        return f"index sglang=={self.version}"
+def identity(source: SGLangSource) -> str:
+    """What a venv's lock must name to be reused for `source`: the release, the wheel's hash,
+    the tree's place."""
+    if source.kind == "wheel":
+        return f"wheel sha256:{file_sha256(source.path)}"
+    if source.kind == "tree":
+        return f"tree {source.path}"
+    return f"index sglang=={source.version}"
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def wheel_version(path: Path) -> str:
-    with zipfile.ZipFile(path) as wheel:
-        names = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
-        if not names:
-            raise ClosureError(f"{path}: a wheel with no .dist-info/METADATA")
-        for line in wheel.read(names[0]).decode("utf-8", "replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    raise ClosureError(f"{path}: its METADATA has no Version")
-
-
-def tree_package_root(path: Path) -> Path:
-    """The directory holding `sglang/`: the checkout's `python/`, or `path` itself."""
-    for root in (path / "python", path):
-        if (root / "sglang" / "__init__.py").is_file():
-            return root
-    raise ClosureError(f"{path}: no sglang package in it or in its python/ directory")
-
-
-def tree_version(root: Path) -> str:
-    version_file = root / "sglang" / "version.py"
-    if version_file.is_file():
-        match = re.search(r"__version__\s*=\s*[\"']([^\"']+)[\"']", version_file.read_text(encoding="utf-8"))
-        if match:
-            return match.group(1)
-    raise ClosureError(f"{root}: sglang/version.py names no __version__")
+def candidate_of(version: str | None, source: str | None) -> SGLangSource:
+    """The candidate the builder was asked for (`--version` or `--source`)."""
+    if not source:
+        if not version:
+            raise ClosureError("name a release (--version) or a wheel or source tree (--source)")
+        return SGLangSource.parse(version)
+    candidate = SGLangSource.parse(source)
+    if candidate.kind == "index":
+        raise ClosureError(f"--source {source}: a wheel file or a source directory (a release is --version)")
+    return candidate
 
 
 def _tree_requirements(root: Path) -> list[str]:
@@ -172,14 +121,14 @@ def _tree_requirements(root: Path) -> list[str]:
     return [str(r) for r in project.get("dependencies", [])]
 
 
-def install_candidate(candidate: Candidate, pip: Pip) -> None:
+def install_candidate(candidate: SGLangSource, pip: Pip) -> None:
     """Put sglang itself into the venv, `--no-deps`."""
     if candidate.kind == "index":
         pip.install([f"sglang=={candidate.version}"], deps=False)
     elif candidate.kind == "wheel":
         pip.install([candidate.path], deps=False, reinstall=True)
     else:
-        _link_tree(Path(candidate.path), candidate.version)
+        _link_tree(Path(candidate.path), candidate.version)  # the directory holding sglang/
 
 
 def _link_tree(root: Path, version: str) -> None:
@@ -404,7 +353,7 @@ def _last_line(text: str) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
-def _lock_from(check: dict, candidate: Candidate, header: list[str]) -> Lock:
+def _lock_from(check: dict, candidate: SGLangSource, header: list[str]) -> Lock:
     pins = [LockPin("sglang", candidate.version, ("sglang",), "the candidate itself")]
     owners: dict[str, list[str]] = {}
     for top, dists in metadata.packages_distributions().items():
@@ -424,7 +373,7 @@ def _check_torch() -> None:
         raise ClosureError(f"torch is {torch_version}, not the CPU build 2.13.0+cpu: something moved it")
 
 
-def resolve(candidate: Candidate, seed: Lock | None, pip: Pip, log) -> Resolution:
+def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log) -> Resolution:
     """Resolve the closure of the installed candidate from scratch (or from `seed`'s guess)."""
     started = time.monotonic()
     resolver = Resolver(pip, seed, log)
@@ -442,7 +391,7 @@ def resolve(candidate: Candidate, seed: Lock | None, pip: Pip, log) -> Resolutio
     header = [f"SGLang {candidate.version}: the import closure (--no-deps) of what the project imports",
               "from it on CPU torch 2.13.0, resolved by scripts/make-sglang-venv.sh "
               "(canaries/releases/closure.py).",
-              f"Generated {dt.date.today().isoformat()} from {candidate.identity()}"
+              f"Generated {dt.date.today().isoformat()} from {identity(candidate)}"
               + (f", first guess {seed.version}'s lock" if seed else ", from nothing") + ": do not edit;",
               f"regenerate with `bash scripts/make-sglang-venv.sh --version {candidate.version} --relock`.",
               "Each pin: the modules it provides <- the module that first imported it."]
@@ -450,7 +399,7 @@ def resolve(candidate: Candidate, seed: Lock | None, pip: Pip, log) -> Resolutio
     return Resolution(lock, pip.installs, checks, time.monotonic() - started, seed.version if seed else "")
 
 
-def build(candidate: Candidate, lock_dir: Path, venv_lock: Path, *, relock: bool, log) -> Resolution:
+def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: bool, log) -> Resolution:
     """Install the candidate and its closure into this venv; reuse a lock that fits."""
     started = time.monotonic()
     constraints = venv_lock.with_name(".sglang-venv-constraints.txt")
@@ -459,11 +408,11 @@ def build(candidate: Candidate, lock_dir: Path, venv_lock: Path, *, relock: bool
     _check_torch()
     install_candidate(candidate, pip)
     if _installed("sglang") != candidate.version:
-        raise ClosureError(f"installing {candidate.identity()} left sglang {_installed('sglang')} in the venv")
+        raise ClosureError(f"installing {identity(candidate)} left sglang {_installed('sglang')} in the venv")
     own = lock_dir / f"{candidate.version}.lock"
     reusable = None
     if not relock:
-        if venv_lock.is_file() and candidate.identity() in venv_lock.read_text(encoding="utf-8"):
+        if venv_lock.is_file() and identity(candidate) in venv_lock.read_text(encoding="utf-8"):
             reusable = venv_lock
         elif candidate.kind == "index" and own.is_file():
             reusable = own
@@ -474,15 +423,15 @@ def build(candidate: Candidate, lock_dir: Path, venv_lock: Path, *, relock: bool
         check = import_check() if ok else {"ok": False, "error": {"message": _last_line(err)}}
         _check_torch()
         if check["ok"]:
-            venv_lock.write_text(lock.text() + f"# built from {candidate.identity()}\n", encoding="utf-8")
+            venv_lock.write_text(lock.text() + f"# built from {identity(candidate)}\n", encoding="utf-8")
             return Resolution(lock, pip.installs, 1, time.monotonic() - started, "lock")
         log(f"the lock {reusable} does not import ({check['error'].get('message', '')}); resolving anew")
     seed_path = nearest_lock(candidate.version, lock_dir, exclude_self=relock)
     seed = read_lock(seed_path) if seed_path else None
-    log(f"resolving the closure of {candidate.identity()}"
+    log(f"resolving the closure of {identity(candidate)}"
         + (f" (first guess: {seed_path.name})" if seed_path else " (no lock to start from)"))
     resolution = resolve(candidate, seed, pip, log)
-    venv_lock.write_text(resolution.lock.text() + f"# built from {candidate.identity()}\n", encoding="utf-8")
+    venv_lock.write_text(resolution.lock.text() + f"# built from {identity(candidate)}\n", encoding="utf-8")
     if candidate.kind == "index" and (relock or not own.is_file()):
         resolution.lock.write(own)
         log(f"wrote {own}")
@@ -499,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(f"make-sglang-venv: {line}", file=sys.stderr, flush=True)  # noqa: E731
     venv_lock = Path(sys.prefix) / "sglang-closure.lock"
     try:
-        candidate = Candidate.of(args.version, args.source)
+        candidate = candidate_of(args.version, args.source)
         result = build(candidate, Path(args.lock_dir), venv_lock, relock=args.relock, log=log)
-    except ClosureError as exc:
+    except (ClosureError, ReleaseError) as exc:
         log(f"sglang {args.version or args.source}: {exc}")
         return 1
     log(f"closure of sglang {candidate.version}: {len(result.lock.pins)} pins, {result.checks} import "

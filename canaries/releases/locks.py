@@ -19,7 +19,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Lock", "LockPin", "nearest_lock", "read_lock", "version_key"]
+from canaries.releases.versions import version_key
+
+__all__ = ["Lock", "LockPin", "nearest_lock", "normalize", "read_lock"]
 
 _PIN_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s*(?:#\s*(.*))?$")
 
@@ -101,17 +103,6 @@ def read_lock(path: Path) -> Lock:
     if not version:
         raise ValueError(f"{path}: pins no sglang==VERSION")
     return Lock(version, tuple(pins), tuple(header))
-
-
-def version_key(version: str) -> tuple:
-    """Order of releases: numeric parts compared as numbers; a dev/rc part sorts before the
-    release it precedes, a post part after it (what PEP 440 says for the forms SGLang uses)."""
-    match = re.match(r"^(\d+(?:\.\d+)*)(?:\.?(dev|a|b|rc|post)(\d*))?", version)
-    if not match:
-        return ((), 0, 0)
-    numbers = tuple(int(part) for part in match.group(1).split("."))
-    rank = {"dev": -4, "a": -3, "b": -2, "rc": -1, None: 0, "post": 1}[match.group(2)]
-    return (numbers, rank, int(match.group(3) or 0))
 
 
 def nearest_lock(version: str, lock_dir: Path, *, exclude_self: bool = False) -> Path | None:

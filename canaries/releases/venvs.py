@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canaries.releases.spec import ReleaseError
+from canaries.releases.errors import ReleaseError
+from canaries.releases.provenance import file_sha256
 
 __all__ = ["installed_version", "release_python", "venv_candidates", "venv_for"]
 
@@ -32,21 +33,14 @@ def venv_candidates(version: str, root: Path = REPO) -> list[Path]:
     return [root / f".venv-sglang-{version}", root / ".venv-sglang"]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def venv_for(source: Any, root: Path = REPO) -> tuple[Path, str]:
     """The venv a non-index source builds into, and the identity its lock must carry."""
-    path = Path(source.path)
+    from canaries.releases.closure import identity
+
     if source.kind == "wheel":
-        digest = _sha256(path)
-        return root / f".venv-sglang-wheel-{digest[:12]}", f"wheel sha256:{digest}"
-    return root / f".venv-sglang-tree-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}", f"tree {path}"
+        return root / f".venv-sglang-wheel-{file_sha256(source.path)[:12]}", identity(source)
+    digest = hashlib.sha256(str(Path(source.path)).encode()).hexdigest()
+    return root / f".venv-sglang-tree-{digest[:12]}", identity(source)
 
 
 def installed_version(python: Path) -> str | None:
