@@ -34,7 +34,7 @@ SGLANG_PYTHON = _sglang_python()
 needs_sglang = pytest.mark.skipif(SGLANG_PYTHON is None, reason="no interpreter with sglang: run "
                                   "scripts/make-sglang-venv.sh (or set CANARY_SGLANG_PYTHON)")
 
-RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.23")
+RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 DEFAULT_RELEASE = "0.5.23"  # what scripts/make-sglang-venv.sh builds into .venv-sglang
 
 
@@ -141,12 +141,13 @@ print(json.dumps(out))
 # live_peers: free_full of slots still paired. 0.5.18 has no free_full: its `free` takes the peers
 # too; 0.5.19's free_full strands them; 0.5.20 on strands them and counts swa.peer_released.
 LIVE_PEERS = {"0.5.18": ([64, 32], 0), "0.5.19": ([64, 29], 0), "0.5.20": ([64, 29], 3),
-              "0.5.23": ([64, 29], 3)}
+              "0.5.21": ([64, 29], 3), "0.5.22": ([64, 29], 3), "0.5.23": ([64, 29], 3)}
 # swa.peer_mapped is registered from 0.5.20 (FATAL_UNCONTAINABLE: at warn it crashes); before,
 # free_swa filters the zero entry out and the stripped slot's peer leaks.
 PEER_MAPPED_FROM = "0.5.20"
-# Pages on a CPU device: only 0.5.23's paged allocator has a torch path beside its Triton kernels.
-PAGES_ON_CPU_FROM = "0.5.23"
+# Pages on a CPU device: from 0.5.22 the paged allocator has a torch path beside its Triton kernels
+# (allocator/paged.py `use_triton_kernels`).
+PAGES_ON_CPU_FROM = "0.5.22"
 
 
 def _release_key(version: str) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from canaries.cli import main as canary
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "configs" / "scenarios"
-RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.23")
+RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 DEFAULT_RELEASE = "0.5.23"  # what scripts/make-sglang-venv.sh builds into .venv-sglang
 WINDOW = 16
 
@@ -217,8 +217,9 @@ def test_match_after_insert_returns_the_inserted_slots(version: str) -> None:
     assert seen["insert_new"] == 0
     assert seen["match"] == [39, True]
     assert seen["ledger_after_insert"] == [0, 0]
-    # The release's default tree core: Python up to 0.5.20, the bundled Rust one in 0.5.23.
-    assert seen["tree_core"] == ("RustUnifiedTreeCore" if version == "0.5.23" else "UnifiedTreeCore")
+    # The release's default tree core: Python up to 0.5.20, the bundled Rust one from 0.5.21.
+    python_core = version in ("0.5.18", "0.5.19", "0.5.20")
+    assert seen["tree_core"] == ("UnifiedTreeCore" if python_core else "RustUnifiedTreeCore")
 
 
 @pytest.mark.parametrize("version", RELEASES)
