@@ -20,7 +20,7 @@ import pytest
 
 from canaries.releases import SGLangSource
 from canaries.releases.locks import read_lock
-from canaries.releases.venvs import installed_version, venv_for
+from canaries.releases.venvs import find_python, venv_for
 
 REPO = Path(__file__).resolve().parents[1]
 REVERT_DIFF = REPO / "configs" / "sglang" / "diffs" / "revert-pr-36723-0.5.23.diff"
@@ -28,10 +28,8 @@ SCENARIO = "corrupt-r2t-zero-page1"
 
 
 def _venv_python(version: str) -> Path | None:
-    for venv in (REPO / f".venv-sglang-{version}", REPO / ".venv-sglang"):
-        if installed_version(venv / "bin" / "python") == version:
-            return venv / "bin" / "python"
-    return None
+    """The interpreter of `version`'s venv here, as `canary matrix` finds it, or None."""
+    return find_python(version)
 
 
 VENV_0523 = _venv_python("0.5.23")

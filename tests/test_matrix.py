@@ -24,7 +24,7 @@ from canaries.releases import (
     patched_interpreter,
 )
 from canaries.releases.patches import SGLangPatch
-from canaries.releases.venvs import installed_version
+from canaries.releases.venvs import find_python
 from canaries.report.matrix_html import matrix_html
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,10 +35,7 @@ RELEASES = ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
 def _venv_python(version: str) -> Path | None:
     """The interpreter of `version`'s venv here, as `canary matrix` finds it, or None."""
-    for venv in (REPO / f".venv-sglang-{version}", REPO / ".venv-sglang"):
-        if installed_version(venv / "bin" / "python") == version:
-            return venv / "bin" / "python"
-    return None
+    return find_python(version)
 
 
 VENV_0523 = _venv_python("0.5.23")

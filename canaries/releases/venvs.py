@@ -21,7 +21,7 @@ from typing import Any
 from canaries.releases.errors import ReleaseError
 from canaries.releases.provenance import file_sha256
 
-__all__ = ["installed_version", "release_python", "venv_candidates", "venv_for"]
+__all__ = ["find_python", "installed_version", "release_python", "venv_candidates", "venv_for"]
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE_VENV = REPO / "scripts" / "make-sglang-venv.sh"
@@ -31,6 +31,14 @@ VENV_LOCK = "sglang-closure.lock"
 def venv_candidates(version: str, root: Path = REPO) -> list[Path]:
     """Where the venv of release `version` may be, in order of preference."""
     return [root / f".venv-sglang-{version}", root / ".venv-sglang"]
+
+
+def find_python(version: str, root: Path = REPO) -> Path | None:
+    """The interpreter of release `version`'s venv if one is built here (nothing is built)."""
+    for venv in venv_candidates(version, root):
+        if installed_version(venv / "bin" / "python") == version:
+            return venv / "bin" / "python"
+    return None
 
 
 def venv_for(source: Any, root: Path = REPO) -> tuple[Path, str]:
@@ -62,9 +70,9 @@ def release_python(source: Any, *, build: bool = True, root: Path = REPO,
     builder's own one-line reason)."""
     kind, version = getattr(source, "kind", "index"), getattr(source, "version", source)
     if kind == "index":
-        for venv in venv_candidates(version, root):
-            if installed_version(venv / "bin" / "python") == version:
-                return venv / "bin" / "python"
+        found = find_python(version, root)
+        if found is not None:
+            return found
         target, args, identity = root / f".venv-sglang-{version}", ["--version", version], ""
     else:
         target, identity = venv_for(source, root)
