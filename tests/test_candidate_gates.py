@@ -35,7 +35,8 @@ def _venv_python(version: str) -> Path | None:
 VENV_0523 = _venv_python("0.5.23")
 needs_0523 = pytest.mark.skipif(VENV_0523 is None, reason="no SGLang 0.5.23 venv: run "
                                 "`bash scripts/make-sglang-venv.sh`")
-pytestmark = [pytest.mark.slow, needs_0523]
+# A wheel or tree column builds its venv first (torch alone is a minute or more).
+pytestmark = [pytest.mark.slow, needs_0523, pytest.mark.timeout(1200)]
 
 
 def _matrix(tmp_path: Path, *args: str) -> tuple[int, str, dict]:

@@ -192,6 +192,7 @@ def test_gate_passes_on_identical_release(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not ALL_VENVS, reason="needs every release's venv: bash scripts/make-sglang-venv.sh "
                     "--version X for X in 0.5.18 to 0.5.22 (and without --version for 0.5.23)")
+@pytest.mark.timeout(1200)  # six release columns beside native: several minutes on 2 cores
 def test_matrix_over_every_release_explains_every_cell(tmp_path: Path) -> None:
     report = tmp_path / "matrix"
     proc = subprocess.run([sys.executable, "-m", "canaries.cli", "matrix", "--sglang", ",".join(RELEASES),
