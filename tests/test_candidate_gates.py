@@ -9,6 +9,8 @@ guess, a minute or two) and remove it afterwards.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import shutil
 import subprocess
@@ -89,7 +91,9 @@ def _wheel_from_installed(tmp_path: Path) -> Path:
             out.write(info / name, f"{info.name}/{name}")
             records.append(f"{info.name}/{name}")
         records.append(f"{info.name}/RECORD")
-        out.writestr(f"{info.name}/RECORD", "".join(f"{r},,\n" for r in records))
+        table = io.StringIO()  # CSV: some of sglang's file names hold commas
+        csv.writer(table, lineterminator="\n").writerows([name, "", ""] for name in records)
+        out.writestr(f"{info.name}/RECORD", table.getvalue())
     return wheel
 
 
