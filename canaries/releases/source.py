@@ -21,7 +21,8 @@ from canaries.releases.versions import canonical_version
 __all__ = ["SGLangSource", "tree_root", "tree_version", "wheel_version"]
 
 KINDS = ("index", "wheel", "tree")
-_VERSION_PY_RE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']""", re.MULTILINE)
+_VERSION_PY_RE = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)?["']([^"']+)["']""",
+                            re.MULTILINE)
 
 
 def wheel_version(path: str | Path) -> str:
@@ -64,6 +65,10 @@ def tree_version(root: str | Path) -> str:
     path = Path(root) / "sglang" / "version.py"
     try:
         match = _VERSION_PY_RE.search(path.read_text(encoding="utf-8"))
+        # A release's version.py reads it from the sglang/_version.py its build generated.
+        generated = Path(root) / "sglang" / "_version.py"
+        if match is None and generated.is_file():
+            match = _VERSION_PY_RE.search(generated.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ReleaseError(f"tree {root}: cannot read sglang/version.py ({exc.strerror})") from None
     version = canonical_version(match[1], local=True) if match else None
