@@ -569,7 +569,16 @@ def _assert_or_raise(
     try:
         # Looked up at call time, so tests can patch torch._assert_async and read its predicate.
         torch._assert_async(inv.prop.all_ok(value), text)
-    except RuntimeError:
+    except RuntimeError as exc:
+        if value.device.type != "cpu":
+            # A device assert raised at its own launch (CUDA_LAUNCH_BLOCKING=1): the device
+            # context is lost, nothing on it can be read back, but the firing is this check's.
+            total = _drained_totals.get(inv.name, 0) + 1
+            _drained_totals[inv.name] = total
+            firing = Firing(name=inv.name, bucket=inv.bucket.name, level=level.name, site=inv.site,
+                            msg=msg, new_hits=1, total_hits=total, crashed=True)
+            _emit(firing)
+            raise InvariantViolation(firing) from exc
         # Synchronous failure (CPU): we are dying anyway, so host reads are fine here.
         _flush_count_sources()
         # Whatever fired on the count path since the last drain goes on record before the

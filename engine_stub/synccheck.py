@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -183,7 +184,7 @@ class SyncCheck:
         self._mode.__enter__()
         if self._cuda_sync_debug:
             self._saved_debug_mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
+            set_cuda_sync_debug_mode("error")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -191,7 +192,7 @@ class SyncCheck:
         if self._depth > 0:
             return
         if self._cuda_sync_debug:
-            torch.cuda.set_sync_debug_mode(self._saved_debug_mode)
+            set_cuda_sync_debug_mode(self._saved_debug_mode)
         self._mode.__exit__(*exc)
         self._mode = None
         for name, saved in self._saved_attrs.items():
@@ -200,6 +201,18 @@ class SyncCheck:
             else:
                 setattr(torch.Tensor, name, saved)
         self._saved_attrs.clear()
+
+
+def set_cuda_sync_debug_mode(mode: int | str) -> None:
+    """`torch.cuda.set_sync_debug_mode(mode)`, without the warning torch emits on arming it.
+
+    torch warns "Synchronization debug mode is a prototype feature" each time the mode is set to
+    warn or error; where warnings are errors (the test suite) that warning escapes after the mode
+    is already set, leaving every later CUDA call in the process erroring.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def synccheck(*, cuda_sync_debug: bool | None = None) -> SyncCheck:

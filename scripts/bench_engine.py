@@ -62,7 +62,9 @@ DECODE_VARIANTS = {
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    # The repo first, then whatever the caller's path held (a lent GPU machine's wheelhouse).
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _time_import_torch() -> float:

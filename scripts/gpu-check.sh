@@ -4,7 +4,8 @@
 #   1. the cuda-marked tests (PR #36723's sync-freedom with torch.cuda.set_sync_debug_mode);
 #   2. the sync-budget and allocator tests with the engine's tensors on the CUDA device;
 #   3. both benchmarks on CUDA;
-#   4. three canary scenarios with the engine on CUDA (fresh processes: no fork after CUDA).
+#   4. the default canary library with the engine on CUDA (fresh processes: no fork after CUDA),
+#      its reports back as $OUT/reports.tar.gz.
 # Nothing is installed from a registry: the missing HTTP stack comes from .whl with --no-index,
 # the project itself runs from the checkout (PYTHONPATH), over the machine's own CUDA torch.
 # Everything it prints also goes to $OUT (when set) so the results come back.
@@ -30,7 +31,7 @@ run python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py test
 run python3 -m pytest -q -p no:cacheprovider tests/test_sync_budget.py tests/test_swa_allocator.py
 run timeout 240 python3 scripts/bench_alloc.py --device cuda --iters 200
 run timeout 240 python3 scripts/bench_engine.py --starts 1 --reps 3 --chunked-reps 0
-run timeout 240 python3 -m canaries.cli run --device cuda --start fresh --report-dir "$out/reports" \
-    configs/scenarios/clean-page1-radix.yaml configs/scenarios/strip-mapping-page1.yaml \
-    configs/scenarios/flip-kv-swa-in-use.yaml
+run timeout 300 python3 -m canaries.cli run --device cuda --start fresh --jobs 8 --report-dir "$out/reports"
+# Every scenario's files in one archive ($OUT brings back 8 files at most).
+tar -czf "$out/reports.tar.gz" -C "$out" reports && rm -rf "$out/reports"
 exit $status

@@ -11,6 +11,7 @@ import torch
 
 from engine_stub.invariants import InvariantCheckLevel, override_level
 from engine_stub.mem import SWATokenToKVPoolAllocator
+from engine_stub.synccheck import set_cuda_sync_debug_mode
 
 pytestmark = [
     pytest.mark.cuda,
@@ -21,13 +22,13 @@ pytestmark = [
 def _sync_error(fn) -> RuntimeError | None:
     """The RuntimeError torch raises if `fn` synchronizes the device, or None."""
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        set_cuda_sync_debug_mode("error")
         fn()
     except RuntimeError as exc:
         return exc
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        set_cuda_sync_debug_mode("default")
         torch.cuda.synchronize()
     return None
 

@@ -165,7 +165,13 @@ class LocalRuntime:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         safety.install_sigterm_handler()
-        self.start_mode = start_mode(self.requested_start, spec_knob("device", spec_path, extra_flags))
+        device = spec_knob("device", spec_path, extra_flags)
+        if str(device or "").startswith("cuda"):
+            # A strict invariant's device assert then raises at its own launch, inside the check
+            # that knows its name; otherwise CUDA reports a nameless "device-side assert
+            # triggered" at a later sync and the crash cannot be attributed.
+            env.setdefault("CUDA_LAUNCH_BLOCKING", "1")
+        self.start_mode = start_mode(self.requested_start, device)
         if self.start_mode == "warm":
             preload = PRELOAD.get(str(spec_knob("memory", spec_path, extra_flags)), ())
             server = fork_server(self.python, self.engine_root, preload)
