@@ -756,7 +756,12 @@ def counter_snapshot() -> tuple[list[str], torch.Tensor | None]:
         parts.append(counters.index_select(0, index))
     if not parts:
         return names, None
-    return names, parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return names, parts[0]
+    # Counters of host tensors beside a device's (a check over a CPU-side tensor on a CUDA
+    # engine) join the device's snapshot: an async host-to-device copy, never a device sync.
+    device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+    return names, torch.cat([p.to(device, non_blocking=True) for p in parts])
 
 
 def _resolve_group(

@@ -342,8 +342,13 @@ class Scheduler:
         self.allocator.free_group_begin()
         try:
             yield
-        finally:
-            self.allocator.free_group_end()
+        except BaseException:
+            # The block's own error is the crash's cause: a release that fails after it (on CUDA
+            # every call does once a device assert has fired) must not replace it.
+            with contextlib.suppress(Exception):
+                self.allocator.free_group_end()
+            raise
+        self.allocator.free_group_end()
 
     def _abort_waiting(self, req: Req) -> None:
         """Take a request that holds nothing yet off the queue, finished as aborted."""
