@@ -3,13 +3,18 @@
     python -m engine_stub.forkserver SOCKET
 
 imports what `python -m engine_stub` needs (it never touches a CUDA device), listens on the Unix
-socket SOCKET and prints `engine_stub forkserver ready`. Each connection asks for one engine with
+socket SOCKET and prints `engine_stub forkserver ready (protocol N)`. Each connection asks for one engine with
 one JSON line `{"argv": [...], "env": {...}, "cwd": ..., "log": ...}`. The server forks a child
 that starts a session of its own (its pid is its process group, so a harness signals it exactly
 as it would a fresh process), reads stdin from /dev/null, writes stdout and stderr to `log`, and
-runs `engine_stub.__main__.main(argv)` under `env`. On the connection the server answers
-`{"pid": N}` at once and `{"exit": CODE}` when the child exits (negative: killed by that
-signal, as `subprocess` reports it); the child itself writes its ready line there.
+runs `engine_stub.__main__.main(argv)` under `env`.
+
+The connection's answers are `engine_stub.forkproto`'s typed lines, all written by the server:
+`pid` at once, `ready` when the engine writes its ready line (to a pipe only it holds, which the
+server reads and forwards), `exit` once the child is reaped (after any ready line the pipe still
+held), or `error` in place of a pid when the request is malformed or the fork fails. The child
+closes the connection first thing, so it can never write on it, and closes every other
+connection and pipe of the server's.
 
 The server lives as long as its stdin: when the harness that started it exits, however it dies,
 the pipe closes and the server SIGKILLs every child's group before it exits, so no engine
@@ -22,13 +27,13 @@ import contextlib
 import gc
 import importlib
 import importlib.util
-import json
 import os
 import select
 import signal
 import socket
 import sys
 import traceback
+from dataclasses import dataclass, field
 
 import torch  # noqa: F401 - imported once here, so that every forked engine starts warm
 
@@ -37,14 +42,31 @@ import engine_stub.perturb.loader  # noqa: F401
 import engine_stub.server  # noqa: F401
 from engine_stub.__main__ import READY_FD_ENV
 from engine_stub.__main__ import main as engine_main
+from engine_stub.forkproto import (
+    SERVER_READY_LINE,
+    ForkProtocolError,
+    LineReader,
+    encode,
+    parse_request,
+)
 
 __all__ = ["READY_LINE", "serve"]
 
-READY_LINE = "engine_stub forkserver ready"
+READY_LINE = SERVER_READY_LINE
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"
 
 
-def _child(request: dict, conn: socket.socket, closing: list, fds: tuple[int, ...]) -> None:
+@dataclass
+class _Child:
+    """A forked engine as the server tracks it: its connection and the read end of its ready pipe."""
+
+    pid: int
+    conn: socket.socket
+    ready_fd: int | None
+    ready: LineReader = field(default_factory=LineReader)
+
+
+def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int]) -> None:
     """In the forked child: become a fresh-looking engine process, run it, never return."""
     code = 1
     try:
@@ -52,7 +74,7 @@ def _child(request: dict, conn: socket.socket, closing: list, fds: tuple[int, ..
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(signum, signal.SIG_DFL)
-        for sock in closing:
+        for sock in closing:  # its own connection among them: only the server writes there
             sock.close()
         for fd in fds:
             os.close(fd)
@@ -65,10 +87,10 @@ def _child(request: dict, conn: socket.socket, closing: list, fds: tuple[int, ..
         os.close(log_fd)
         os.chdir(request.get("cwd") or "/")
         os.environ.clear()
-        os.environ.update(request.get("env") or {})
-        # The engine writes its ready line to this fd too: the harness learns of it at once.
-        os.environ[READY_FD_ENV] = str(conn.fileno())
-        os.set_inheritable(conn.fileno(), False)
+        os.environ.update(request["env"])
+        # The engine writes its ready line to this pipe; the server forwards it at once.
+        os.environ[READY_FD_ENV] = str(ready_w)
+        os.set_inheritable(ready_w, False)
         code = engine_main(list(request["argv"]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -82,9 +104,10 @@ def _child(request: dict, conn: socket.socket, closing: list, fds: tuple[int, ..
         os._exit(code)
 
 
-def _send(conn: socket.socket, message: dict) -> None:
+def _send(conn: socket.socket, message: bytes) -> None:
+    """Write one encoded message; a harness that hung up is no concern of the server's."""
     with contextlib.suppress(OSError):
-        conn.sendall((json.dumps(message) + "\n").encode())
+        conn.sendall(message)
 
 
 def _preload() -> None:
@@ -98,6 +121,130 @@ def _preload() -> None:
             print(f"engine_stub forkserver: could not preload {name}: {exc}", file=sys.stderr)
 
 
+class _Server:
+    """The server's state: the listener, connections still sending their request, children."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_path)
+        self.listener.listen(64)
+        self.pending: dict[socket.socket, LineReader] = {}  # request line not complete yet
+        self.children: dict[int, _Child] = {}
+        self.by_ready_fd: dict[int, _Child] = {}
+
+    def watched(self) -> list:
+        return [sys.stdin, self.listener, self.wake_r, *self.pending, *self.by_ready_fd]
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        self.pending[conn] = LineReader()
+
+    def receive(self, conn: socket.socket) -> None:
+        """Read a connection's request; fork once it is whole."""
+        reader = self.pending[conn]
+        try:
+            chunk = conn.recv(65536)
+            lines = reader.feed(chunk) if chunk else []
+            if not chunk:
+                del self.pending[conn]
+                conn.close()  # the harness gave up before asking
+                return
+            if not lines:
+                return
+            del self.pending[conn]
+            if reader.pending or len(lines) > 1:
+                raise ForkProtocolError("the fork request must be one line, then nothing")
+            request = parse_request(lines[0])
+        except (ForkProtocolError, OSError) as exc:
+            self.pending.pop(conn, None)
+            _send(conn, encode("error", f"bad request: {exc}"))
+            conn.close()
+            return
+        self.fork(conn, request)
+
+    def fork(self, conn: socket.socket, request: dict) -> None:
+        try:
+            ready_r, ready_w = os.pipe()
+        except OSError as exc:
+            _send(conn, encode("error", f"cannot make the ready pipe: {exc}"))
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN, ENOMEM on a loaded machine: this request fails, not the server
+            os.close(ready_r)
+            os.close(ready_w)
+            _send(conn, encode("error", f"fork failed: {exc}"))
+            conn.close()
+            return
+        if pid == 0:
+            _child(request, ready_w, [self.listener, conn, *self.pending,
+                                      *(c.conn for c in self.children.values())],
+                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd])
+        os.close(ready_w)  # the child holds the only write end: EOF once it wrote or died
+        child = self.children[pid] = _Child(pid, conn, ready_r)
+        self.by_ready_fd[ready_r] = child
+        _send(conn, encode("pid", pid))  # before anything of this child's is read: always first
+
+    def forward_ready(self, child: _Child, *, final: bool = False) -> None:
+        """Forward what the child wrote on its ready pipe; close the pipe at EOF (or `final`)."""
+        fd = child.ready_fd
+        if fd is None:
+            return
+        eof = False
+        try:
+            while True:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    eof = True
+                    break
+                for line in child.ready.feed(chunk):
+                    _send(child.conn, encode("ready", line.decode("utf-8", "replace")))
+                if not final:
+                    break  # the rest on the next select: one read per wake-up
+        except OSError:
+            eof = True  # a pipe that cannot be read says nothing more
+        except ForkProtocolError:  # an endless line: not a ready line, and nothing after it is
+            child.ready.pending = b""
+            eof = True
+        if eof or final:
+            if child.ready.pending:  # a last line without its newline
+                _send(child.conn, encode("ready", child.ready.pending.decode("utf-8", "replace")))
+                child.ready.pending = b""
+            del self.by_ready_fd[fd]
+            os.close(fd)
+            child.ready_fd = None
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self.children.pop(pid, None)
+            if child is None:
+                continue
+            if child.ready_fd is not None:
+                os.set_blocking(child.ready_fd, False)
+                self.forward_ready(child, final=True)  # its ready line goes before its exit
+            _send(child.conn, encode("exit", os.waitstatus_to_exitcode(status)))
+            child.conn.close()
+
+    def close(self, socket_path: str) -> None:
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+
+
 def serve(socket_path: str) -> int:
     """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit."""
     _preload()
@@ -106,70 +253,27 @@ def serve(socket_path: str) -> int:
     gc.collect()
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
+    server = _Server(socket_path)
+    signal.set_wakeup_fd(server.wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
-    listener.listen(64)
-    children: dict[int, socket.socket] = {}  # pid -> its connection
-    pending: dict[socket.socket, bytes] = {}  # connections whose request line is incomplete
     print(READY_LINE, flush=True)
     try:
         while True:
-            readable, _, _ = select.select([sys.stdin, listener, wake_r, *pending], [], [])
+            readable, _, _ = select.select(server.watched(), [], [])
             if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
                 return 0  # the harness is gone
-            if wake_r in readable:
-                os.read(wake_r, 4096)
-            if listener in readable:
-                conn, _ = listener.accept()
-                pending[conn] = b""
-            for conn in [c for c in pending if c in readable]:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    pending.pop(conn).close()
-                    continue
-                pending[conn] += chunk
-                if b"\n" not in pending[conn]:
-                    continue
-                line = pending.pop(conn).split(b"\n", 1)[0]
-                try:
-                    request = json.loads(line)
-                except ValueError as exc:
-                    _send(conn, {"error": f"bad request: {exc}"})
-                    conn.close()
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, conn, [listener, *pending, *children.values()], (wake_r, wake_w))
-                children[pid] = conn
-                _send(conn, {"pid": pid})
-            _reap(children)
+            if server.wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(server.wake_r, 4096)
+            for fd in [fd for fd in server.by_ready_fd if fd in readable]:
+                server.forward_ready(server.by_ready_fd[fd])
+            if server.listener in readable:
+                server.accept()
+            for conn in [c for c in server.pending if c in readable]:
+                server.receive(conn)
+            server.reap()
     finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        listener.close()
-        with contextlib.suppress(OSError):
-            os.unlink(socket_path)
-
-
-def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is not None:
-            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-            conn.close()
+        server.close(socket_path)
 
 
 if __name__ == "__main__":

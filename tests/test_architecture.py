@@ -76,8 +76,11 @@ ALLOWED = {
     },
     # The warm parent imports what `python -m engine_stub` will need, then forks it.
     "engine_stub.forkserver": {
-        "engine_stub.__main__", "engine_stub.engine", "engine_stub.perturb", "engine_stub.server",
+        "engine_stub.__main__", "engine_stub.engine", "engine_stub.forkproto", "engine_stub.perturb",
+        "engine_stub.server",
     },
+    # The fork server's wire protocol: torch-free, the harness reads the server with it.
+    "engine_stub.forkproto": set(),
 }
 
 

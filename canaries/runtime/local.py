@@ -26,6 +26,7 @@ from pathlib import Path
 from canaries.runtime import safety
 from canaries.runtime.warm import (
     START_MODES,
+    ForkServerMismatch,
     WarmProcess,
     engine_pythonpath,
     fork_server,
@@ -172,9 +173,14 @@ class LocalRuntime:
             # triggered" at a later sync and the crash cannot be attributed.
             env.setdefault("CUDA_LAUNCH_BLOCKING", "1")
         self.start_mode = start_mode(self.requested_start, device)
+        server = None
         if self.start_mode == "warm":
             preload = PRELOAD.get(str(spec_knob("memory", spec_path, extra_flags)), ())
-            server = fork_server(self.python, self.engine_root, preload)
+            try:
+                server = fork_server(self.python, self.engine_root, preload)
+            except ForkServerMismatch:
+                self.start_mode = "fresh"  # an engine tree of another era: no warm parent for it
+        if server is not None:
             self.proc = server.spawn(cmd[3:], env, self.log_path)
             safety.register(self)
             ready = lambda: self.proc.wait_ready(self.ready_timeout)  # noqa: E731

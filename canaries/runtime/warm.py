@@ -29,12 +29,17 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ForkServer", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server",
+from engine_stub.forkproto import SERVER_READY_LINE, ForkProtocolError, LineReader, parse_message
+
+__all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server",
            "prestart", "start_mode"]
 
 START_MODES = ("auto", "warm", "fresh")
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"  # modules the fork server imports before forking
 SERVER_READY_TIMEOUT_S = 60.0
+# How long a fork request may wait for its pid: the server forks one engine at a time, and a
+# fork is slow on a loaded machine (each copies the page tables of a process with torch in it).
+FORK_ANSWER_TIMEOUT_S = 60.0
 
 
 def start_mode(requested: str, device: str | None) -> str:
@@ -53,32 +58,43 @@ def _has_cuda_device() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
-class WarmProcess:
-    """One engine forked by the server: the parts of `subprocess.Popen` the runtime uses."""
+class ForkServerMismatch(RuntimeError):
+    """The engine tree's fork server speaks another protocol version (an older commit's): its
+    engines start fresh instead."""
 
-    def __init__(self, conn: socket.socket, pid: int, buffered: bytes) -> None:
+
+class WarmProcess:
+    """One engine forked by the server: the parts of `subprocess.Popen` the runtime uses.
+
+    It reads the server's typed messages (`engine_stub.forkproto`) after the pid: the engine's
+    ready line, then its exit code. Anything else is a `ForkProtocolError` naming what came."""
+
+    def __init__(self, conn: socket.socket, pid: int, reader: LineReader, lines: list[bytes]) -> None:
         self._conn = conn
         self.pid = pid
         self.returncode: int | None = None
         self.ready_line: str | None = None
-        self._buffer = buffered
+        self._reader = reader
         self._lock = threading.Lock()
-        self._consume()
+        self._take(lines)
 
     def __del__(self) -> None:
         self._conn.close()
 
-    def _consume(self) -> None:
-        while b"\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n", 1)
-            line = raw.decode("utf-8", "replace").strip()
-            if line.startswith("{"):
-                message = json.loads(line)
-                if "exit" in message:
-                    self.returncode = int(message["exit"])
-                    self._conn.close()  # the server sends nothing after the exit code
-            elif line:
-                self.ready_line = line
+    def _take(self, lines: list[bytes]) -> None:
+        for raw in lines:
+            kind, value = parse_message(raw)
+            if self.returncode is not None:
+                raise ForkProtocolError(f"engine pid {self.pid}: a {kind!r} message after its exit: {raw!r}")
+            if kind == "ready":
+                if self.ready_line is None:
+                    self.ready_line = str(value).strip()
+            elif kind == "exit":
+                self.returncode = int(value)  # type: ignore[arg-type]
+                self._conn.close()  # the server sends nothing after the exit code
+            else:
+                raise ForkProtocolError(f"engine pid {self.pid}: unexpected {kind!r} message after "
+                                        f"its pid: {raw!r}")
 
     def _read(self, timeout: float | None) -> bool:
         """Read what the server sent within `timeout`; False once the connection is closed."""
@@ -93,8 +109,7 @@ class WarmProcess:
             if self.returncode is None:
                 self.returncode = -9  # the server itself died: its engines died with it
             return False
-        self._buffer += chunk
-        self._consume()
+        self._take(self._reader.feed(chunk))
         return True
 
     def wait_ready(self, timeout: float) -> str | None:
@@ -147,10 +162,14 @@ class ForkServer:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, cwd=self._dir,  # see LocalRuntime.start: no shadowing
             )
-        line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S)
-        if line.strip() != "engine_stub forkserver ready":
+        line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S).strip()
+        if line != SERVER_READY_LINE:
             self.close(keep_log=True)
-            raise RuntimeError(f"the engine fork server did not start (got {line.strip()!r}); "
+            if line.startswith("engine_stub forkserver ready"):
+                raise ForkServerMismatch(f"the engine fork server under {self.engine_root or 'this checkout'} "
+                                         f"speaks another protocol ({line!r}; this harness: "
+                                         f"{SERVER_READY_LINE!r})")
+            raise RuntimeError(f"the engine fork server did not start (got {line!r}); "
                                f"its log: {self.log_path}")
 
     @property
@@ -159,27 +178,38 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
               cwd: str | os.PathLike | None = None) -> WarmProcess:
-        """Fork one engine running `python -m engine_stub ARGV`; its process handle."""
+        """Fork one engine running `python -m engine_stub ARGV`; its process handle.
+
+        RuntimeError if the server refuses or does not answer within FORK_ANSWER_TIMEOUT_S
+        (ForkProtocolError, a RuntimeError, if it answers out of protocol)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.socket_path)
-        request = {"argv": list(argv), "env": env, "log": str(log_path), "cwd": str(cwd or os.getcwd())}
-        conn.sendall((json.dumps(request) + "\n").encode())
-        buffered = b""
-        deadline = time.monotonic() + 10
-        while b"\n" not in buffered:
-            left = deadline - time.monotonic()
-            readable, _, _ = select.select([conn], [], [], max(left, 0))
-            chunk = conn.recv(65536) if readable else b""
-            if not chunk:
-                conn.close()
-                raise RuntimeError("the engine fork server did not answer a fork request")
-            buffered += chunk
-        first, rest = buffered.split(b"\n", 1)
-        message = json.loads(first)
-        if "pid" not in message:
+        try:
+            conn.connect(self.socket_path)
+            request = {"argv": list(argv), "env": dict(env), "log": str(log_path),
+                       "cwd": str(cwd or os.getcwd())}
+            conn.sendall((json.dumps(request) + "\n").encode())
+            reader = LineReader()
+            lines: list[bytes] = []
+            deadline = time.monotonic() + FORK_ANSWER_TIMEOUT_S
+            while not lines:
+                left = deadline - time.monotonic()
+                readable, _, _ = select.select([conn], [], [], max(left, 0))
+                chunk = conn.recv(65536) if readable else b""
+                if not chunk:
+                    raise RuntimeError("the engine fork server did not answer a fork request "
+                                       + ("(it closed the connection)" if readable else
+                                          f"within {FORK_ANSWER_TIMEOUT_S:.0f}s"))
+                lines = reader.feed(chunk)
+            kind, value = parse_message(lines[0])
+            if kind == "error":
+                raise RuntimeError(f"the engine fork server refused: {value}")
+            if kind != "pid":
+                raise ForkProtocolError(f"the fork server's first answer must be its 'pid' "
+                                        f"message, got: {lines[0]!r}")
+        except BaseException:
             conn.close()
-            raise RuntimeError(f"the engine fork server refused: {message.get('error', message)}")
-        return WarmProcess(conn, int(message["pid"]), rest)
+            raise
+        return WarmProcess(conn, int(value), reader, lines[1:])  # type: ignore[arg-type]
 
     def close(self, keep_log: bool = False) -> None:
         """Stop the server; it kills whatever engines it still has."""

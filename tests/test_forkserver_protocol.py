@@ -1,0 +1,98 @@
+"""The fork server's protocol: every message reaches the harness whole, typed and in order.
+
+The race of issue 25: the forked engine used to write its ready line on the connection the
+server answers on, so a server descheduled between fork and its pid line let the ready line
+arrive first, and the harness failed with a JSONDecodeError. These tests delay the server's pid
+line on purpose (a wrapper around the real server) so that ordering is exercised every time.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from canaries.runtime.warm import ForkServer
+from engine_stub.forkproto import ForkProtocolError, LineReader, parse_message
+
+REPO = Path(__file__).resolve().parents[1]
+
+DELAYED_SERVER = textwrap.dedent("""
+    import json, sys, time
+    import engine_stub.forkserver as server
+
+    send = server._send
+
+    def send_pid_late(conn, message):
+        # a dict before the protocol had types, its encoded line since
+        text = message.decode() if isinstance(message, bytes) else json.dumps(message)
+        if '"pid"' in text:
+            time.sleep({delay})  # the forked engine is ready long before this
+        send(conn, message)
+
+    server._send = send_pid_late
+    sys.exit(server.serve(sys.argv[-1]))
+""")
+
+
+def _python_running(tmp_path: Path, script: str) -> str:
+    """An executable standing in for `python` that runs `script` whatever module it is asked for."""
+    source = tmp_path / "server.py"
+    source.write_text(script, encoding="utf-8")
+    shim = tmp_path / "python"
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} {source} \"$@\"\n", encoding="utf-8")
+    shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
+    return str(shim)
+
+
+def _engine_argv(tmp_path: Path) -> list[str]:
+    return ["--port", "0", "--event-log", str(tmp_path / "events.jsonl")]
+
+
+@pytest.mark.slow
+def test_spawn_with_a_late_pid_line_gets_the_pid_then_the_ready_line(tmp_path):
+    server = ForkServer(python=_python_running(tmp_path, DELAYED_SERVER.format(delay=2.0)))
+    try:
+        proc = server.spawn(_engine_argv(tmp_path), dict(os.environ), tmp_path / "engine.log")
+        ready = proc.wait_ready(30)
+        assert ready is not None and ready.startswith("engine_stub ready on http://"), ready
+        assert proc.pid > 0 and Path(f"/proc/{proc.pid}").exists()
+        os.killpg(proc.pid, 15)
+        assert proc.wait(30) in (0, -15)
+    finally:
+        server.close()
+
+
+def test_line_reader_joins_partial_reads_into_whole_lines():
+    reader = LineReader()
+    assert reader.feed(b'{"type": "pi') == []
+    assert reader.feed(b'd", "pid": 7}\n{"type": "ready", "line": "x"}\n{"ty') == [
+        b'{"type": "pid", "pid": 7}', b'{"type": "ready", "line": "x"}']
+    assert reader.feed(b'pe": "exit", "code": 0}\n') == [b'{"type": "exit", "code": 0}']
+    assert reader.pending == b""
+
+
+@pytest.mark.parametrize("raw, named", [
+    (b"engine_stub ready on http://127.0.0.1:1", "not JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (b'{"pid": 3}', "no 'type'"),
+    (b'{"type": "hello"}', "unknown message type 'hello'"),
+    (b'{"type": "pid", "pid": "3"}', "'pid' must be of type int"),
+    (b'{"type": "exit"}', "'code' must be of type int"),
+    (b'{"type": "ready", "line": 5}', "'line' must be of type str"),
+])
+def test_parse_message_refuses_a_malformed_line_naming_what_came(raw, named):
+    with pytest.raises(ForkProtocolError) as caught:
+        parse_message(raw)
+    assert named in str(caught.value)
+    assert repr(raw.decode())[:40] in str(caught.value)
+
+
+def test_line_reader_refuses_an_endless_line():
+    reader = LineReader(max_line=16)
+    with pytest.raises(ForkProtocolError, match="longer than 16 bytes"):
+        reader.feed(b"x" * 17)
