@@ -20,17 +20,19 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import requests
 
+from canaries.watchdog import Patience, Watchdog
+
 if TYPE_CHECKING:
     from canaries.scenario import Workload
 
-__all__ = ["FollowUp", "Planned", "drive", "make_plan", "prompt_range", "rid_of"]
+__all__ = ["FollowUp", "Planned", "drive", "engine_progress", "make_plan", "prompt_range", "rid_of"]
 
 TOKEN_LO, TOKEN_HI = 32, 126  # printable ASCII, inclusive
 CLIENT_GONE_STATUS = 499  # what a client that hung up records (the engine's own code for it)
@@ -128,8 +130,53 @@ def _generated_prompts(workload: Workload, seed: int) -> list[list[int]]:
     return prompts
 
 
+def engine_progress(base_url: str, timeout: float = 5.0) -> tuple[int, int, int] | None:
+    """(steps, generated tokens, completed requests) from the engine's /state; None if it did
+    not answer (a step holds /state's lock: a step longer than `timeout` reads as no answer)."""
+    try:
+        state = requests.get(f"{base_url}/state", timeout=timeout).json()
+        return int(state["step"]), int((state.get("stats") or {}).get("generated_tokens", 0)), \
+            int(state.get("completed", 0))
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Abortable:
+    """One HTTP exchange on a connection of its own, which the watchdog can cut."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        from urllib.parse import urlsplit
+
+        url = urlsplit(base_url)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True  # first: a request still connecting sees it once connected
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def connect(self) -> None:
+        self.conn.connect()
+        if self.aborted:
+            raise ConnectionAbortedError("aborted by the watchdog")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.conn.sock is not None:
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+
+
+def _hung(record: dict, watchdog: Watchdog) -> None:
+    record["error"] = f"hung: {watchdog.reason}"
+    record["hang"] = watchdog.reason
+
+
 def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | None,
-          temperature: float, deadline: float) -> dict:
+          temperature: float, watchdog: Watchdog, deadline: float) -> dict:
     start = time.monotonic()
     rid, max_new_tokens = planned.rid, planned.max_new_tokens
     record: dict[str, Any] = {"rid": rid, "status": None, "output_ids": None, "error": None,
@@ -144,44 +191,53 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
             session_factory().post(f"{base_url}/gate/skip", json={"rid": rid}, timeout=5.0)
         return record
     remaining = deadline - start
-    if remaining <= 0:
-        record["error"] = "not sent: the workload deadline had passed"
+    if watchdog.fired or remaining <= 0:
+        record["error"] = f"not sent: the workload was stopped ({watchdog.reason or 'hard cap'})"
         return record
     body = {"input_ids": prompt, "rid": rid,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
     if planned.hang_up_after is not None:
         record["expect_status"] = CLIENT_GONE_STATUS
-        hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining)
+        hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining, watchdog)
         record["latency_s"] = round(time.monotonic() - start, 4)
         return record
+    exchange = _Abortable(base_url, remaining)
+    token = watchdog.track(exchange.abort)
     try:
-        resp = session_factory().post(f"{base_url}/generate", json=body,
-                                      timeout=(min(5.0, remaining), remaining))
-        record["status"] = resp.status_code
+        exchange.connect()
+        exchange.conn.request("POST", "/generate", body=json.dumps(body).encode(),
+                              headers={"Content-Type": "application/json"})
+        resp = exchange.conn.getresponse()
+        record["status"] = resp.status
+        raw = resp.read()
         try:
-            payload = resp.json()
+            payload = json.loads(raw)
         except ValueError:
-            payload = {"raw": resp.text[:500]}
-        if resp.ok:
+            payload = {"raw": raw[:500].decode("utf-8", "replace")}
+        if resp.status == 200:
             record["output_ids"] = payload.get("output_ids")
             record["meta_info"] = payload.get("meta_info")
         else:
             err = payload.get("error") if isinstance(payload, dict) else None
             record["error"] = (err or {}).get("message") if isinstance(err, dict) else str(payload)[:500]
-    except requests.RequestException as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    except (OSError, http.client.HTTPException) as exc:
+        if exchange.aborted:
+            _hung(record, watchdog)
+        else:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        watchdog.untrack(token)
+        exchange.close()
     record["latency_s"] = round(time.monotonic() - start, 4)
     return record
 
 
 def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, after_tokens: int,
-            remaining: float) -> None:
+            remaining: float, watchdog: Watchdog) -> None:
     """Send `body` and hang up once the engine has `after_tokens` of its answer: tell the gate,
     send on a connection of our own, wait until the engine pauses for us, then close it. The
     record gets status 499 (the client's own: it left) and `hung_up`; if the engine answered
     first (it finished or crashed), the record holds that answer instead."""
-    from urllib.parse import urlsplit
-
     rid = record["rid"]
     try:
         session.post(f"{base_url}/gate/hang_up", json={"rid": rid, "after_tokens": after_tokens},
@@ -189,9 +245,11 @@ def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, 
     except requests.RequestException as exc:
         record["error"] = f"hang-up not planned: {type(exc).__name__}: {exc}"[:500]
         return
-    url = urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=remaining)
+    exchange = _Abortable(base_url, remaining)
+    conn = exchange.conn
+    token = watchdog.track(exchange.abort)
     try:
+        exchange.connect()
         payload = json.dumps(body).encode()
         conn.request("POST", "/generate", body=payload, headers={"Content-Type": "application/json"})
         ready = session.post(f"{base_url}/gate/hang_up/wait",
@@ -209,12 +267,13 @@ def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, 
         else:
             record["error"] = str((answer.get("error") or {}).get("message") or answer)[:500]
     except (OSError, ValueError, http.client.HTTPException, requests.RequestException) as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        if exchange.aborted:
+            _hung(record, watchdog)
+        else:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        with contextlib.suppress(OSError):
-            if conn.sock is not None:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
+        watchdog.untrack(token)
+        exchange.close()
 
 
 def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) -> None:
@@ -226,18 +285,25 @@ def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) ->
         pass  # the engine is gone: the follow-up's own request records that
 
 
-def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0,
-          plan: Sequence[Planned] | None = None) -> list[dict]:
+def drive(base_url: str, workload: Workload, seed: int, patience: Patience | None = None,
+          plan: Sequence[Planned] | None = None,
+          progress: Callable[[], Hashable | None] | None = None) -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
 
     Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
-    expect_status[, expect_cached_tokens][, meta_info]}. A connection error (the engine died) or a timeout is recorded,
-    never raised.
+    expect_status[, expect_cached_tokens][, meta_info][, hang]}. A connection error (the engine
+    died) is recorded, never raised. A `Watchdog` with `patience` watches the engine's
+    `progress` (default: `engine_progress`, its /state): if it stalls with requests outstanding,
+    or the workload reaches the hard cap, every outstanding request is cut and its record gets
+    `hang`, the watchdog's reason (and `error` "hung: REASON"); what was not sent yet is not.
     """
     plan = list(plan) if plan is not None else make_plan(workload, seed)
     concurrency = max(1, workload.concurrency)
     temperature = workload.temperature
-    deadline = time.monotonic() + deadline_s
+    patience = patience or Patience()
+    deadline = time.monotonic() + patience.hard_cap_s
+    url = base_url.rstrip("/")
+    watchdog = Watchdog(patience, progress or (lambda: engine_progress(url)))
     local = threading.local()
     sessions: list[requests.Session] = []
     lock = threading.Lock()
@@ -251,8 +317,6 @@ def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0
 
     futures: list[Future] = []
 
-    url = base_url.rstrip("/")
-
     def send(planned: Planned) -> dict:
         prompt: list[int] | None = planned.prompt
         if planned.follow_up is not None:
@@ -265,10 +329,10 @@ def drive(base_url: str, workload: Workload, seed: int, deadline_s: float = 60.0
             except TimeoutError:
                 earlier = {}
             prompt = planned.follow_up.prompt(earlier)
-        return _send(session, url, planned, prompt, temperature, deadline)
+        return _send(session, url, planned, prompt, temperature, watchdog, deadline)
 
     try:
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:
+        with watchdog, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:
             for planned in plan:
                 futures.append(pool.submit(send, planned))
             return [f.result() for f in futures]

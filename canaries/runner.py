@@ -33,17 +33,26 @@ import requests
 
 from canaries.driver import Planned, make_plan
 from canaries.driver import drive as drive_workload
+from canaries.watchdog import Patience
 
 if TYPE_CHECKING:
     from canaries.runtime.safety import SignalLatch
 
-__all__ = ["run_scenario", "run_many", "new_run_id", "default_report_dir", "cancel_all",
+__all__ = ["run_scenario", "run_many", "patience_for", "new_run_id", "default_report_dir", "cancel_all",
            "repo_root", "spec_for", "RunInterrupted", "INTERRUPTED", "NOT_RUN"]
 
-READY_TIMEOUT_S = 30.0
+# An engine that exits before it is ready is seen at once (its ready pipe closes): this bounds
+# only a live engine that is slow to start, e.g. on a loaded runner or a shared GPU.
+READY_TIMEOUT_S = 120.0
 IDLE_WAIT_S = 5.0
-STOP_TIMEOUT_S = 10.0
-MIN_DRIVE_DEADLINE_S = 60.0
+STOP_TIMEOUT_S = 30.0
+HUNG_STOP_TIMEOUT_S = 5.0  # an engine the watchdog found stalled cannot drain: no long wait
+# A hang is no engine progress for STALL_S with requests outstanding (canaries.watchdog); the
+# hard cap bounds a workload that keeps progressing: HARD_CAP_PER_REQUEST_S each, at least
+# MIN_HARD_CAP_S.
+STALL_S = 30.0
+MIN_HARD_CAP_S = 300.0
+HARD_CAP_PER_REQUEST_S = 10.0
 POLL_S = 0.1  # how often the run loop looks for a signal
 WIND_DOWN_S = 15.0  # how long the scenarios running at an interrupt get to finish stopping
 
@@ -217,6 +226,13 @@ def _wait_idle_check(base_url: str, runtime: Any, timeout: float) -> dict | None
     return state
 
 
+def patience_for(workload: Any) -> Patience:
+    """How long a scenario's workload waits on its engine: STALL_S without progress, and a hard
+    cap that grows with the number of requests."""
+    return Patience(stall_s=STALL_S,
+                    hard_cap_s=max(MIN_HARD_CAP_S, HARD_CAP_PER_REQUEST_S * workload.total_requests))
+
+
 def _read_events(path: Path) -> list[dict]:
     from engine_stub.events import read_events
 
@@ -234,11 +250,14 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
                  device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
-                 drive_deadline_s: float | None = None, engine_root: str | os.PathLike | None = None,
+                 patience: Patience | None = None, engine_root: str | os.PathLike | None = None,
                  memory: str | None = None, engine_python: str | None = None):
     """Run one scenario into `run_dir`; its VerdictRecord (never raises for an engine failure).
 
     `on_started(rt)` is called once the engine serves (tests use it to kill the engine).
+    `patience`: how long the workload waits on the engine (default `patience_for(workload)`).
+    A harness failure inside the scenario (the engine's spawn, the fork server, an unreadable
+    log) is this scenario's INCONCLUSIVE verdict, with the error as its reason.
     `engine_root`: a directory holding the `engine_stub/` to run instead of this checkout's
     (a mutant, another commit). `memory` overrides the scenario's memory backend (native|sglang)
     and `engine_python` the interpreter the engine runs under (a venv with sglang; local runtime).
@@ -262,6 +281,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     responses: list[dict] = []
     error: str | None = None
     timed_out = False
+    hang: str | None = None
     exit_code: int | None = None
     regressions = tuple(scenario.regressions)
     if regressions:
@@ -295,24 +315,28 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             raise _Cancelled
         if on_started is not None:
             on_started(rt)
-        deadline = drive_deadline_s or max(MIN_DRIVE_DEADLINE_S, 2.0 * workload.total_requests)
-        responses = drive_workload(base_url, workload, seed, deadline, plan=plan)
+        responses = drive_workload(base_url, workload, seed, patience or patience_for(workload), plan=plan)
         mark("drive")
         oracle.start(responses)  # computed while the engine idles and stops
-        timed_out = any(r.get("error") and ("Timeout" in r["error"] or "deadline" in r["error"])
-                        for r in responses) and rt.running
-        if rt.running:
+        hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
+        timed_out = hang is not None
+        if rt.running and hang is None:  # a stalled engine runs no idle check
             state = _wait_idle_check(base_url, rt, IDLE_WAIT_S)
             if state is not None:
                 _write_jsonl(run_dir / "state.json", [state])
             mark("idle_wait")
     except _Cancelled:
         pass
-    except RuntimeError as exc:  # the engine never became ready
+    except RuntimeError as exc:  # the engine never became ready (or its fork server failed)
         error = str(exc)
         timed_out = "not ready within" in error
+    except Exception as exc:  # noqa: BLE001 - a harness failure is this scenario's verdict, not the run's end
+        error = f"{type(exc).__name__}: {exc}"
     finally:
-        exit_code = rt.stop(timeout=STOP_TIMEOUT_S)
+        try:
+            exit_code = rt.stop(timeout=HUNG_STOP_TIMEOUT_S if hang else STOP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - as above; the safety net still stops the engine
+            error = error or f"stopping the engine: {type(exc).__name__}: {exc}"
         mark("stop")
         if regressions:
             from canaries.runtime.warm import close_fork_server
@@ -322,7 +346,10 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     # Checked once the engine is down: if the run stopped before, the engine may have been
     # stopped under the scenario, and whatever it left is no verdict.
     cancelled = _CANCEL.is_set()
-    events = _read_events(run_dir / "events.jsonl")
+    try:
+        events = _read_events(run_dir / "events.jsonl")
+    except ValueError as exc:  # not UTF-8: no verdict can be read from it
+        events, error = [], error or f"the event log is unreadable: {exc}"
     mismatches, oracle_error = oracle.result()
     if cancelled:
         mismatches = []
@@ -333,7 +360,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         _write_jsonl(run_dir / "oracle_mismatches.jsonl", mismatches)
     obs = Observation(events=events, responses=responses, exit_code=exit_code,
                       timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
-                      error=error)
+                      error=error, hang=hang)
     record = judge(scenario, obs)
     # Whose each part of the memory path was (ours, or an SGLang release's), as the engine said.
     start = next((e for e in events if e.get("kind") == "engine_start"), None) or {}
@@ -380,6 +407,17 @@ def _unjudged(scenario: Any, verdict: str, reason: str, state: str) -> Any:
         expect=dataclasses.asdict(scenario.expect), extra={"interrupted": {"state": state}})
 
 
+def _harness_failed(scenario: Any, exc: Exception) -> Any:
+    """The record of a scenario whose harness raised outside the engine's run: INCONCLUSIVE,
+    the error as its reason and its traceback in `extra`; the rest of the run goes on."""
+    import traceback
+
+    record = _unjudged(scenario, "INCONCLUSIVE", f"harness error: {type(exc).__name__}: {exc}", "failed")
+    extra = {k: v for k, v in record.extra.items() if k != "interrupted"}
+    extra["harness_error"] = "".join(traceback.format_exception(exc))[-4000:]
+    return dataclasses.replace(record, extra=extra)
+
+
 def _cause(signum: int | None, error: BaseException | None) -> str:
     if signum is not None:
         return signal.Signals(signum).name
@@ -400,8 +438,10 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     no scenario starts after it, the running ones' engines are stopped, every selected
     scenario gets a line in verdicts.jsonl (INCONCLUSIVE "interrupted" or NOT_RUN), every
     report says the run was interrupted, and RunInterrupted is raised. Until then further
-    signals are ignored, so that no second Ctrl-C can cut the reports short. Any other error
-    out of a scenario is handled the same way, then re-raised.
+    signals are ignored, so that no second Ctrl-C can cut the reports short. A harness error
+    out of one scenario (an Exception) makes that scenario INCONCLUSIVE with the error as its
+    reason, and the run goes on; anything else out of a worker is handled as an interrupt,
+    then re-raised.
 
     `latch`: the caller's entered `SignalLatch`, to watch instead of entering one here (so
     that signals stay latched beyond the run, until the caller lets go).
@@ -429,8 +469,11 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         if shown is not None:
             shown.started(sc.name)
         t0 = time.monotonic()
-        record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
-                              engine_root=engine_root, memory=memory, engine_python=engine_python)
+        try:
+            record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
+                                  engine_root=engine_root, memory=memory, engine_python=engine_python)
+        except Exception as exc:  # noqa: BLE001 - this scenario's harness failed; the run goes on
+            record = _harness_failed(sc, exc)
         return i, record, time.monotonic() - t0
 
     def append(record: Any, *, tolerant: bool) -> None:

@@ -54,6 +54,8 @@ KNOB_HELP: dict[str, str] = {
     "gate_requests": "lockstep gate for deterministic replay: total requests the driver will send (0: off)",
     "gate_concurrency": "lockstep gate: requests the driver keeps in flight",
     "gate_timeout_s": "longest a gated step waits for the driver before it goes on without it",
+    "step_delay_s": "test-only: seconds the engine waits before each step (a slow engine, as on a loaded "
+                    "runner or a shared GPU; a huge value stalls it); 0: none",
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -94,6 +96,7 @@ class EngineConfig:
     gate_requests: int = 0
     gate_concurrency: int = 0
     gate_timeout_s: float = 5.0
+    step_delay_s: float = 0.0
     # Not a knob: which source set each field, recorded with the config in force.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -157,6 +160,8 @@ class EngineConfig:
                 raise bad(name, "must be >= 0")
         if not self.gate_timeout_s > 0:  # also rejects NaN
             raise bad("gate_timeout_s", "must be > 0")
+        if not 0 <= self.step_delay_s < float("inf"):  # also rejects NaN
+            raise bad("step_delay_s", "must be a finite number >= 0")
         if self.max_context_len > self.full_pool_tokens:
             raise bad(culprit("max_context_len", "full_pool_tokens"),
                       f"max_context_len={self.max_context_len} must fit in "

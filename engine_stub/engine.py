@@ -303,6 +303,8 @@ class Engine:
                 if self.scheduler.has_work:
                     self._pause_for_hang_ups()
                     self._wait_for_gate()
+                    if self._delay_step():
+                        return
                     with self.step_lock:
                         self.scheduler.step()
                     idle_due = True
@@ -320,6 +322,15 @@ class Engine:
                     idle_due = False
         except BaseException as exc:  # noqa: BLE001 - every death must be logged first
             self._on_crash(exc)
+
+    def _delay_step(self) -> bool:
+        """Wait `step_delay_s` before a step (test-only: a slow or, with a huge delay, stalled
+        engine); True if the engine is stopping meanwhile."""
+        delay = self.config.step_delay_s
+        if delay <= 0:
+            return False
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping, timeout=delay)
 
     def _answer_orphans(self) -> None:
         """At an idle tick, every request still owed an answer is queued in the inbox.

@@ -4,7 +4,8 @@ A control (no perturbation) must be CLEAN: nothing fired, every request answered
 every answer equal to the no-cache oracle. A perturbed run, in order:
 
 1. the run told nothing (harness error) -> `inconclusive`; the engine raised -> finding
-   `engine_error`; a request hung past its deadline -> finding `hang`;
+   `engine_error`; a request the workload's watchdog cut (no engine progress while it was
+   outstanding, or the hard cap; `canaries.watchdog`) -> finding `hang`;
 2. an answer cut short behind an HTTP 200 (fewer tokens than asked, no finish) -> finding
    `cut_short`, whatever fired;
 3. a detector fired before the first landing -> finding `false_alarm`;
@@ -132,7 +133,7 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
                       str(crash.get("error", "")).split(":")[0][:60])
     if "harness error" in record.reason:
         return Judgement("inconclusive", "inconclusive", record.reason[:300])
-    hung = [r["rid"] for r in responses if "Timeout" in str(r.get("error")) or "deadline" in str(r.get("error"))]
+    hung = [r["rid"] for r in responses if r.get("hang")]  # cut by the watchdog (canaries.watchdog)
     if hung or "timed out" in record.reason:
         return judged("hang", f"request(s) {', '.join(hung[:5]) or '?'} hung: {record.reason[:200]}")
     short = _cut_short(responses)

@@ -20,6 +20,8 @@ class Observation:
     `status` (HTTP status; absent means 200) and optionally `error`. exit_code: the engine's exit
     status (negative: killed by a signal; None: still running or unknown). oracle_mismatches: rids
     whose output differed from the no-cache oracle (clean scenarios only). error: a harness error.
+    hang: why the workload's watchdog cut it (no engine progress, or its hard cap), with
+    `timed_out`.
     """
 
     events: list[dict]
@@ -28,6 +30,7 @@ class Observation:
     timed_out: bool
     oracle_mismatches: list[str]
     error: str | None = None
+    hang: str | None = None
 
 
 @dataclass(frozen=True)

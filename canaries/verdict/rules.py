@@ -72,7 +72,7 @@ def run_told_nothing(f: Facts) -> Decision | None:
     if obs.error:
         return "INCONCLUSIVE", f"harness error: {obs.error}"
     if obs.timed_out:
-        return "INCONCLUSIVE", "the run timed out"
+        return "INCONCLUSIVE", "the run timed out" + (f": {obs.hang}" if obs.hang else "")
     if crash is not None and crash.get("cause") == "error":
         return "INCONCLUSIVE", f"engine crashed with an error: {crash.get('error', '')}".strip()
     if crash is None and outcome == "killed":

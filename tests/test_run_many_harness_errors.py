@@ -1,0 +1,54 @@
+"""A harness failure in one scenario is that scenario's INCONCLUSIVE verdict; the run goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import canaries.runner as runner
+from canaries.conftest import engines_under
+from canaries.runner import run_many
+from canaries.scenario import load_scenario
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "scenarios"
+NAMES = ["leak-every-row-warn", "clean-page1-radix", "clean-hang-up-radix", "leak-request"]
+
+
+@pytest.mark.slow
+def test_run_many_with_harness_failures_judges_every_other_scenario(tmp_path, monkeypatch):
+    scenarios = [load_scenario(SCENARIOS / f"{name}.yaml") for name in NAMES]
+    before_engine, inside_run = scenarios[1], scenarios[2]
+
+    spec_for = runner.spec_for
+
+    def spec_for_failing_once(scenario, *args, **kwargs):
+        if scenario is before_engine:  # before run_scenario's own error handling
+            raise OSError("planted: the run dir's disk went away")
+        return spec_for(scenario, *args, **kwargs)
+
+    drive = runner.drive_workload
+
+    def drive_failing_once(base_url, workload, *args, **kwargs):
+        if workload is inside_run.workload:  # with the engine up: it must still be stopped
+            raise ValueError("planted: Expecting value: line 1 column 1 (char 0)")
+        return drive(base_url, workload, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "spec_for", spec_for_failing_once)
+    monkeypatch.setattr(runner, "drive_workload", drive_failing_once)
+
+    records = run_many(scenarios, tmp_path / "report", jobs=2, progress=False)
+
+    by_name = {r.scenario: r for r in records}
+    assert [r.scenario for r in records] == NAMES
+    assert (by_name["clean-page1-radix"].verdict, by_name["clean-page1-radix"].reason) == (
+        "INCONCLUSIVE", "harness error: OSError: planted: the run dir's disk went away")
+    assert (by_name["clean-hang-up-radix"].verdict, by_name["clean-hang-up-radix"].reason) == (
+        "INCONCLUSIVE", "harness error: ValueError: planted: Expecting value: line 1 column 1 (char 0)")
+    assert by_name["leak-every-row-warn"].verdict == "DETECTED"
+    assert by_name["leak-request"].verdict == "DETECTED"
+    assert "interrupted" not in by_name["clean-page1-radix"].extra
+    verdicts = (tmp_path / "report" / "verdicts.jsonl").read_text(encoding="utf-8")
+    assert verdicts.count('"scenario"') == len(NAMES) and "NOT_RUN" not in verdicts
+    assert (tmp_path / "report" / "junit.xml").exists()
+    assert engines_under(tmp_path) == []
