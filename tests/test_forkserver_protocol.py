@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries.runtime.warm import ForkServer
+from canaries.runtime.warm import ForkServer, ForkServerMismatch
 from engine_stub.forkproto import ForkProtocolError, LineReader, parse_message
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +65,40 @@ def test_spawn_with_a_late_pid_line_gets_the_pid_then_the_ready_line(tmp_path):
         assert proc.wait(30) in (0, -15)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+def test_engine_that_dies_before_its_pid_line_reads_as_its_exit_code(tmp_path):
+    server = ForkServer(python=_python_running(tmp_path, DELAYED_SERVER.format(delay=1.0)))
+    try:
+        proc = server.spawn(["--no-such-flag"], dict(os.environ), tmp_path / "engine.log")
+        assert proc.wait_ready(30) is None  # it exited (argparse: 2) long before its pid was sent
+        assert proc.wait(30) == 2
+        assert "--no-such-flag" in (tmp_path / "engine.log").read_text(encoding="utf-8")
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_spawn_with_a_malformed_request_is_refused_naming_the_field(tmp_path):
+    server = ForkServer()
+    try:
+        with pytest.raises(RuntimeError, match="'env' must map strings to strings"):
+            server.spawn(_engine_argv(tmp_path), {"OMP_NUM_THREADS": 1}, tmp_path / "engine.log")  # type: ignore[dict-item]
+        assert server.alive  # one bad request costs that request only
+        proc = server.spawn(_engine_argv(tmp_path), dict(os.environ), tmp_path / "engine.log")
+        assert proc.wait_ready(30) is not None
+        os.killpg(proc.pid, 9)
+        assert proc.wait(30) == -9
+    finally:
+        server.close()
+
+
+def test_fork_server_of_another_protocol_is_refused_as_a_mismatch(tmp_path):
+    old = _python_running(tmp_path, "import sys\nprint('engine_stub forkserver ready', flush=True)\n"
+                                    "sys.stdin.read()\n")
+    with pytest.raises(ForkServerMismatch, match="speaks another protocol"):
+        ForkServer(python=old)
 
 
 def test_line_reader_joins_partial_reads_into_whole_lines():

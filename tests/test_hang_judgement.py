@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from canaries.conftest import engines_under
+from canaries.fuzz.oracle import judge_run
 from canaries.runner import run_scenario
 from canaries.scenario import load_scenario
 from canaries.watchdog import Patience
@@ -38,19 +39,22 @@ def _scenario(tmp_path: Path, name: str, step_delay_s: float):
 @pytest.mark.slow
 def test_slow_engine_that_keeps_stepping_is_judged_on_its_answers_not_hung(tmp_path):
     patience = Patience(stall_s=1.0, hard_cap_s=300, poll_s=0.1)
-    record = run_scenario(_scenario(tmp_path, "slow-control", 0.1), tmp_path / "run", patience=patience)
+    scenario = _scenario(tmp_path, "slow-control", 0.1)
+    record = run_scenario(scenario, tmp_path / "run", patience=patience)
     assert engines_under(tmp_path) == []
     assert (record.verdict, record.reason) == (
         "CLEAN", "no detector fired and every output matched the no-cache oracle")
     # Its workload outlasted many stall windows: only progress kept it from being called hung.
     assert record.extra["phases_s"]["drive"] > 4 * patience.stall_s
+    assert judge_run(scenario, record, tmp_path / "run").outcome == "clean"
 
 
 @pytest.mark.slow
 def test_stalled_engine_is_judged_hung_within_its_stall_window(tmp_path):
     patience = Patience(stall_s=1.5, hard_cap_s=300, poll_s=0.1)
     t0 = time.monotonic()
-    record = run_scenario(_scenario(tmp_path, "stalled-control", 3600.0), tmp_path / "run", patience=patience)
+    scenario = _scenario(tmp_path, "stalled-control", 3600.0)
+    record = run_scenario(scenario, tmp_path / "run", patience=patience)
     elapsed = time.monotonic() - t0
     assert engines_under(tmp_path) == []
     assert record.verdict == "INCONCLUSIVE"
@@ -58,3 +62,7 @@ def test_stalled_engine_is_judged_hung_within_its_stall_window(tmp_path):
     assert record.engine_outcome == "timeout"
     assert record.extra["phases_s"]["drive"] < 10 * patience.stall_s
     assert elapsed < 60, f"a stalled engine took {elapsed:.0f}s to judge"
+    judged = judge_run(scenario, record, tmp_path / "run")
+    assert judged.outcome == "hang"
+    assert judged.reason == ("request(s) r0000, r0001, r0002 hung: the run timed out: no engine progress "
+                             "for 1.5 s with 3 request(s) outstanding")

@@ -103,7 +103,10 @@ class WarmProcess:
         readable, _, _ = select.select([self._conn], [], [], timeout)
         if not readable:
             return True
-        chunk = self._conn.recv(65536)
+        try:
+            chunk = self._conn.recv(65536)
+        except ConnectionError:  # reset: the server died mid-message, as EOF below
+            chunk = b""
         if not chunk:
             self._conn.close()
             if self.returncode is None:
