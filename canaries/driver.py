@@ -131,12 +131,11 @@ def _generated_prompts(workload: Workload, seed: int) -> list[list[int]]:
 
 
 def engine_progress(base_url: str, timeout: float = 5.0) -> tuple[int, int, int] | None:
-    """(steps, generated tokens, completed requests) from the engine's /state; None if it did
-    not answer (a step holds /state's lock: a step longer than `timeout` reads as no answer)."""
+    """(steps, generated tokens, completed requests) from the engine's /progress; None if it
+    did not answer."""
     try:
-        state = requests.get(f"{base_url}/state", timeout=timeout).json()
-        return int(state["step"]), int((state.get("stats") or {}).get("generated_tokens", 0)), \
-            int(state.get("completed", 0))
+        progress = requests.get(f"{base_url}/progress", timeout=timeout).json()
+        return int(progress["step"]), int(progress["generated_tokens"]), int(progress["completed"])
     except (requests.RequestException, ValueError, KeyError, TypeError):
         return None
 

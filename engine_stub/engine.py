@@ -432,6 +432,13 @@ class Engine:
 
     # ---- state -----------------------------------------------------------------------------------
 
+    def progress(self) -> dict[str, int]:
+        """Counters that only grow while the engine works, read without the step lock (a stuck
+        step cannot hide them) and without touching a device."""
+        sched = self.scheduler
+        return {"step": sched.step_no, "generated_tokens": sched.stats["generated_tokens"],
+                "received": self.received, "completed": self.completed}
+
     def state(self) -> dict:
         """Pools, ledgers, hit counts, canary counters and exercise stats (a consistent snapshot)."""
         with self.step_lock:

@@ -511,6 +511,12 @@ def create_app(engine: Engine) -> FastAPI:
             None, engine.wait_hang_up, body.rid, body.timeout_s)
         return {"ready": ready}
 
+    @app.get("/progress", response_model=dict[str, int])
+    async def progress() -> Any:
+        """Steps, generated tokens, received and completed requests: lock-free and sync-free
+        (a harness's watchdog polls it to tell a slow engine from a stalled one)."""
+        return engine.progress()
+
     @app.get("/state", response_model=dict[str, Any])
     async def state() -> Any:
         """Pools, idle ledgers, invariant hits, canary counters, exercise stats, config."""
