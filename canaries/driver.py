@@ -37,6 +37,9 @@ __all__ = ["FollowUp", "Planned", "drive", "engine_progress", "make_plan", "prom
 TOKEN_LO, TOKEN_HI = 32, 126  # printable ASCII, inclusive
 CLIENT_GONE_STATUS = 499  # what a client that hung up records (the engine's own code for it)
 SALT_TOKENS = 2  # how many tokens of each prompt `unique_prompts` overwrites with its index
+# A connection's own timeout is the hard cap plus this: the watchdog (which names the reason)
+# always cuts it first.
+SOCKET_GRACE_S = 10.0
 
 
 def rid_of(i: int) -> str:
@@ -147,7 +150,7 @@ class _Abortable:
         from urllib.parse import urlsplit
 
         url = urlsplit(base_url)
-        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout + SOCKET_GRACE_S)
         self.aborted = False
 
     def abort(self) -> None:
@@ -292,7 +295,7 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
     expect_status[, expect_cached_tokens][, meta_info][, hang]}. A connection error (the engine
     died) is recorded, never raised. A `Watchdog` with `patience` watches the engine's
-    `progress` (default: `engine_progress`, its /state): if it stalls with requests outstanding,
+    `progress` (default: `engine_progress`, its /progress): if it stalls with requests outstanding,
     or the workload reaches the hard cap, every outstanding request is cut and its record gets
     `hang`, the watchdog's reason (and `error` "hung: REASON"); what was not sent yet is not.
     """

@@ -36,7 +36,7 @@ __all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES
 
 START_MODES = ("auto", "warm", "fresh")
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"  # modules the fork server imports before forking
-SERVER_READY_TIMEOUT_S = 60.0
+SERVER_READY_TIMEOUT_S = 300.0  # torch imports slowly on a loaded runner; a dead server is seen at once (EOF)
 # How long a fork request may wait for its pid: the server forks one engine at a time, and a
 # fork is slow on a loaded machine (each copies the page tables of a process with torch in it).
 FORK_ANSWER_TIMEOUT_S = 60.0
