@@ -238,8 +238,11 @@ class _Server:
 
     def close(self, socket_path: str) -> None:
         for pid in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            # The group for what the engine started; the pid itself for a child forked so
+            # recently that it has no group of its own yet (setsid): it would outlive us.
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
         self.listener.close()
         with contextlib.suppress(OSError):
             os.unlink(socket_path)

@@ -12,6 +12,7 @@ import os
 import stat
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,43 @@ def test_fork_server_of_another_protocol_is_refused_as_a_mismatch(tmp_path):
                                     "sys.stdin.read()\n")
     with pytest.raises(ForkServerMismatch, match="speaks another protocol"):
         ForkServer(python=old)
+
+
+SLOW_SETSID_SERVER = textwrap.dedent("""
+    import os, sys, time
+    import engine_stub.__main__ as engine_main
+    import engine_stub.forkserver as server
+
+    # Its ready line would go to a pipe nobody reads once the server is gone (SIGPIPE kills
+    # it there): without it, only the server's own cleanup can take the child along.
+    engine_main._notify_ready = lambda line: None
+    setsid = os.setsid
+
+    def setsid_late():
+        time.sleep({delay})  # the child is still in the server's process group meanwhile
+        setsid()
+
+    os.setsid = setsid_late  # only a forked child calls it
+    sys.exit(server.serve(sys.argv[-1]))
+""")
+
+
+@pytest.mark.slow
+def test_server_that_exits_right_after_a_fork_takes_the_child_along(tmp_path):
+    server = ForkServer(python=_python_running(tmp_path, SLOW_SETSID_SERVER.format(delay=1.5)))
+    proc = server.spawn(_engine_argv(tmp_path), dict(os.environ), tmp_path / "engine.log")
+    server.close()  # before the child has a process group of its own
+    deadline = time.monotonic() + 10
+    while _alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(proc.pid), "a child forked just before the server exited outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def test_line_reader_joins_partial_reads_into_whole_lines():

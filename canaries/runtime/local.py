@@ -83,6 +83,20 @@ def _read_ready_line(fd: int, timeout: float) -> str | None:
     return data.decode("utf-8", "replace")
 
 
+def _signal_engine(proc: subprocess.Popen | WarmProcess, sig: int) -> None:
+    """`sig` to the engine's process group, or to the engine itself while it has no group yet
+    (a warm engine forked a moment ago, before its setsid). Only for an engine not yet reaped:
+    its pid cannot have been reused."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, sig)
+    except PermissionError:
+        pass
+
+
 def spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[str]) -> str | None:
     """The value the engine will be given for knob `name`: a `--name` flag, else the spec's
     engine section, else its ENGINE_STUB_ variable."""
@@ -253,8 +267,7 @@ class LocalRuntime:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the engine's process group (tests: an engine killed from outside)."""
         if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
+            _signal_engine(self.proc, sig)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the group, wait up to `timeout`, then SIGKILL; return the exit code."""
@@ -265,14 +278,12 @@ class LocalRuntime:
             try:
                 graceful = False
                 if proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGTERM)
+                    _signal_engine(proc, signal.SIGTERM)
                     try:
                         proc.wait(timeout)
                         graceful = True
                     except subprocess.TimeoutExpired:
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(proc.pid, signal.SIGKILL)
+                        _signal_engine(proc, signal.SIGKILL)
                         proc.wait(5)
                 # Whatever the leader did, leave nothing of its group behind.
                 with contextlib.suppress(ProcessLookupError, PermissionError):
