@@ -42,6 +42,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    """Wait until no process of group `pgid` is left (a SIGKILLed scheduler takes a moment to go,
+    and only its new parent reaps it); False if some still is after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        time.sleep(0.05)
+    return False
+
+
 class SGLangServer:
     """One SGLang server for one engine configuration."""
 
@@ -112,6 +127,7 @@ class SGLangServer:
                     os.killpg(proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
+                _wait_group_gone(proc.pid, 10.0)
                 self._exit_code = proc.returncode
             finally:
                 if self._log_file is not None:

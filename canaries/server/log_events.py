@@ -1,0 +1,110 @@
+"""SGLang's own log lines, read as the suite's events, under the detector names the native engine
+uses, so that a scenario's `expect` means the same on both runtimes.
+
+One function per line SGLang writes (0.5.23, `python/sglang/srt/`), each returning the events the
+verdict rules read (`invariant_firing`, `canary_violation`, `crash`, `idle_check`) or none;
+`events_of_line` tries them all. The table in docs/sglang-server.md lists which line becomes which
+detector. A KV-canary reason or an invariant our catalogue lacks keeps SGLang's own name, so it
+shows up in reports as fired instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine_stub.detectors import detector
+
+__all__ = ["CANARY_REASONS", "events_of_line"]
+
+# kv_canary/runner/violation_reporter.py `_format_violation` (a format SGLang's tests freeze):
+# `kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_chain_hash+verify_position
+# slot_idx=1 position=0 stored_token=10 expected_token=-1 stored_chain_hash=0x.. expected_aux=0x..`
+_CANARY_RE = re.compile(
+    r"kv_canary violation: launch_tag=(?P<tag>\S+) fail_reason=(?P<reasons>\S+) slot_idx=(?P<slot>-?\d+) "
+    r"position=(?P<position>-?\d+) stored_token=(?P<stored>-?\d+) expected_token=(?P<expected>-?\d+)")
+# SGLang's FailReason bits (kernels/ops/kv_canary/consts.py), labelled without `_mismatch`, and
+# the engine's reason each one is.
+CANARY_REASONS = {
+    "verify_chain_hash": "verify_chain_hash",
+    "verify_position": "verify_position",
+    "verify_real_kv_hash": "verify_real_kv_hash",
+    "write_token": "write_token",
+    "write_position": "write_position",
+    "verify_token": "verify_token",
+}
+# utils/invariants.py `_CheckReporter.report`: `invariant-check [name@rank0]: +k hit(s), T total. msg`
+_HIT_RE = re.compile(r"invariant-check \[(?P<name>[^@\]]+)@rank\d+\]: \+(?P<new>\d+) hit\(s\), "
+                     r"(?P<total>\d+) total\.\s?(?P<msg>.*)")
+# The strict path (and FATAL_UNCONTAINABLE at any level): `invariant-check FAILED [name]: msg`.
+_FAILED_RE = re.compile(r"invariant-check FAILED \[(?P<name>[^\]]+)\]:?\s?(?P<msg>.*)")
+# managers/scheduler_components/invariant_checker.py: the idle memory check.
+_LEAK_RE = re.compile(r"(?P<pool>[\w ]+?) memory leak detected!")
+# Which idle ledger each of SGLang's leak reports is.
+IDLE_LEDGERS = {"req_to_token_pool": "idle.req_rows_ledger", "pool": "idle.full_ledger"}
+
+
+def _bucket(name: str) -> str:
+    try:
+        return detector(name).bucket
+    except KeyError:  # one of SGLang's invariants the engine lacks: still reported, as SGLang's
+        return "UNKNOWN"
+
+
+def canary_events(line: str, step: int) -> list[dict]:
+    match = _CANARY_RE.search(line)
+    if match is None:
+        return []
+    tag = match["tag"]  # HEAD|TAIL|SWEEP _ K|V _ FULL|SWA
+    parts = tag.split("_")
+    return [{"kind": "canary_violation", "reason": CANARY_REASONS.get(reason, reason),
+             "group": parts[-1] if len(parts) == 3 else tag, "phase": parts[0].lower(),
+             "slot": int(match["slot"]), "position": int(match["position"]),
+             "stored": int(match["stored"]), "expected": int(match["expected"]), "step": step,
+             "launch_tag": tag}
+            for reason in match["reasons"].split("+") if reason != "none"]
+
+
+def hit_events(line: str, step: int, level: str) -> list[dict]:
+    match = _HIT_RE.search(line)
+    if match is None:
+        return []
+    name = match["name"]
+    return [{"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+             "site": "sglang", "msg": match["msg"].strip(), "new_hits": int(match["new"]),
+             "total_hits": int(match["total"]), "crashed": False, "step": step}]
+
+
+def failed_events(line: str, step: int, level: str) -> list[dict]:
+    match = _FAILED_RE.search(line)
+    if match is None:
+        return []
+    name = match["name"]
+    firing = {"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+              "site": "sglang", "msg": match["msg"].strip(), "new_hits": 1, "total_hits": 1,
+              "crashed": True, "step": step}
+    crash = {"kind": "crash", "cause": "invariant", "error": line.strip()[:2000], "invariant": name,
+             "step": step}
+    return [firing, crash]
+
+
+def leak_events(line: str, step: int, level: str) -> list[dict]:
+    match = _LEAK_RE.search(line)
+    if match is None:
+        return []
+    pool = match["pool"].strip().split()[-1]
+    name = IDLE_LEDGERS.get(pool, f"idle.{pool}_ledger")
+    return [{"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+             "site": "sglang idle check", "msg": line.strip()[:500], "new_hits": 1, "total_hits": 1,
+             "crashed": False, "step": step}]
+
+
+def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
+    """The events one line of SGLang's log reports (`step`: the scheduler's forward count then)."""
+    found = canary_events(line, step)
+    if found:
+        return found
+    for parse in (hit_events, failed_events, leak_events):
+        found = parse(line, step, level)
+        if found:
+            return found
+    return []
