@@ -109,15 +109,17 @@ class SGLangServer:
         return self.base_url
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM the process group, wait up to `timeout`, then SIGKILL it; the exit code."""
+        """SIGTERM the launcher, wait up to `timeout`, then SIGKILL its whole group; the exit code."""
         with self._lock:
             proc = self.proc
             if proc is None:
                 return None
             try:
                 if proc.poll() is None:
+                    # The launcher alone: it drains and stops its scheduler and detokenizer
+                    # (a SIGTERM to them too reads to SGLang as a crashed scheduler).
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGTERM)
+                        os.kill(proc.pid, signal.SIGTERM)
                     try:
                         proc.wait(timeout)
                     except subprocess.TimeoutExpired:

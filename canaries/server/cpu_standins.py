@@ -77,8 +77,45 @@ def copy_all_layer_kv_cache_cpu(
             ctypes.memmove(base + tgt * stride, row, stride)
 
 
+class _DeviceTolerantCpuStream(torch.cpu.Stream):
+    """SGLang's `create_device_stream` (utils/common.py) builds `Stream(device=...)` for any
+    device, and the KV canary asks for one; torch's CPU stream takes only `priority`."""
+
+    def __init__(self, device: object = None, priority: int = -1) -> None:
+        super().__init__(priority=priority)
+        self.device = torch.device("cpu")
+
+
+def _unpinned(factory):
+    """`factory` with `pin_memory=True` dropped: the KV canary allocates its host buffers pinned
+    (kv_canary/req_to_expected_token_ids_manager.py, runner/future_tensor.py), which torch refuses
+    without an accelerator; with none, page-locking has nothing to speed up."""
+
+    def build(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    build.__name__ = factory.__name__
+    build.__doc__ = factory.__doc__
+    return build
+
+
+PINNED_FACTORIES = ("empty", "zeros", "ones", "full", "tensor")
+
+
 def install() -> None:
-    """Provide `sgl_kernel`'s two CPU ops where no `sgl_kernel` is importable (idempotent)."""
+    """Provide `sgl_kernel`'s CPU ops where no `sgl_kernel` is importable, a CPU stream that takes
+    a device, and unpinned host buffers where torch has no accelerator (idempotent)."""
+    if not isinstance(torch.cpu.Stream, type) or not issubclass(torch.cpu.Stream, _DeviceTolerantCpuStream):
+        torch.cpu.Stream = _DeviceTolerantCpuStream
+    if not torch.cuda.is_available():
+        for name in PINNED_FACTORIES:
+            factory = getattr(torch, name)
+            if getattr(factory, "__wrapped_unpinned__", False):
+                continue
+            wrapped = _unpinned(factory)
+            wrapped.__wrapped_unpinned__ = True
+            setattr(torch, name, wrapped)
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
         return
     module = types.ModuleType("sgl_kernel")

@@ -85,4 +85,8 @@ class ServerLaunch:
             # Without it SGLang takes the CUDA path for its CPU tensors (the rotary embedding then
             # imports vllm's ops); one intra-op thread, as every engine of the suite gets.
             env.update({"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"})
+            if self.config.kv_canary != "off":
+                # The canary's phase checker and token scatter exist only as Triton kernels
+                # (utils/phase_checker.py, kv_canary): Triton's interpreter runs them on a CPU.
+                env["TRITON_INTERPRET"] = "1"
         return env
