@@ -19,7 +19,7 @@ LEAK_LINE = ("[2026-12-03 10:02:11] req_to_token_pool memory leak detected!avail
 def test_canary_line_becomes_one_violation_per_reason_under_the_engines_names() -> None:
     events = events_of_line(CANARY_LINE, step=7)
     assert [detector_of(e) for e in events] == ["kv_canary.verify_chain_hash", "kv_canary.verify_position"]
-    assert events[0]["group"] == "FULL" and events[0]["phase"] == "head"
+    assert events[0]["group"] == "FULL" and events[0]["phase"] == "HEAD"
     assert events[0]["slot"] == 1 and events[0]["position"] == 0 and events[0]["step"] == 7
 
 

@@ -23,6 +23,7 @@ import requests
 from canaries.runtime import safety
 from canaries.server.launch import ServerLaunch
 from canaries.server.model import ServerModel
+from canaries.server.scheduler_plugin import EVENT_LOG_ENV
 from engine_stub.config import EngineConfig
 
 __all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError"]
@@ -68,6 +69,7 @@ class SGLangServer:
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.event_log: Path | None = None
         self.base_url = ""
         self.launch: ServerLaunch | None = None
         self.started_s = 0.0
@@ -75,15 +77,20 @@ class SGLangServer:
         self._lock = threading.Lock()
         self._exit_code: int | None = None
 
-    def start(self, run_dir: str | os.PathLike) -> str:
-        """Launch the server and return its base URL once /health answers 200."""
+    def start(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None = None) -> str:
+        """Launch the server and return its base URL once /health answers 200.
+
+        Its scheduler writes the suite's events to `run_dir/events.jsonl` (the plugin);
+        `extra_env` adds variables (SGLang's own perturbation knobs)."""
         if self.proc is not None:
             raise RuntimeError("this server was already started")
         run_dir = Path(run_dir).resolve()
         model_dir = ServerModel.of(self.config).write(run_dir / "model")
         self.launch = ServerLaunch(self.config, model_dir, _free_port(), self.device)
         self.log_path = run_dir / "server.log"
-        env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT)}
+        self.event_log = run_dir / "events.jsonl"
+        env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
+               EVENT_LOG_ENV: str(self.event_log)}
         self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         safety.install_sigterm_handler()
         started = time.monotonic()

@@ -14,7 +14,7 @@ import re
 
 from engine_stub.detectors import detector
 
-__all__ = ["CANARY_REASONS", "events_of_line"]
+__all__ = ["CANARY_REASONS", "events_of_line", "landing_of_line"]
 
 # kv_canary/runner/violation_reporter.py `_format_violation` (a format SGLang's tests freeze):
 # `kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_chain_hash+verify_position
@@ -57,7 +57,7 @@ def canary_events(line: str, step: int) -> list[dict]:
     tag = match["tag"]  # HEAD|TAIL|SWEEP _ K|V _ FULL|SWA
     parts = tag.split("_")
     return [{"kind": "canary_violation", "reason": CANARY_REASONS.get(reason, reason),
-             "group": parts[-1] if len(parts) == 3 else tag, "phase": parts[0].lower(),
+             "group": parts[-1] if len(parts) == 3 else tag, "phase": parts[0],
              "slot": int(match["slot"]), "position": int(match["position"]),
              "stored": int(match["stored"]), "expected": int(match["expected"]), "step": step,
              "launch_tag": tag}
@@ -108,3 +108,24 @@ def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dic
         if found:
             return found
     return []
+
+
+# kv_canary/perturb: `kv_canary perturb req_to_token: req_pool_idx=4 position=2 original_slot=3
+# new_slot=1`, one line per entry SGLang's own perturbation rewrote.
+_R2T_PERTURB_RE = re.compile(r"kv_canary perturb req_to_token: req_pool_idx=(?P<row>\d+) position=(?P<position>\d+) "
+                             r"original_slot=(?P<before>-?\d+) new_slot=(?P<after>-?\d+)")
+
+
+def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
+    """The landing one of SGLang's own perturbation lines records (the scenario's perturbation
+    `index`), with its damage in the engine's terms, or None."""
+    match = _R2T_PERTURB_RE.search(line)
+    if match is None:
+        return None
+    row, position = int(match["row"]), int(match["position"])
+    before, after = int(match["before"]), int(match["after"])
+    return {"kind": "perturbation_landed", "index": index, "perturbation": "corrupt_req_to_token",
+            "site": "sglang:kv_canary_perturb", "step": step, "row": row, "position": position,
+            "before": before, "after": after,
+            "damage": [{"kind": "req_to_token", "position": position, "row": row, "before": before,
+                        "after": after, "detail": "sglang_perturb"}]}

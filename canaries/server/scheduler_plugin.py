@@ -1,0 +1,125 @@
+"""The suite inside SGLang's scheduler process: SGLang's own log records become the suite's events,
+each stamped with the scheduler's step.
+
+`install()` runs in every process of a server the suite launches (the plugin's sitecustomize),
+and acts only where SGLang builds its `Scheduler`: it keeps that object (its `forward_ct` is the
+step) and adds a handler to the `sglang` logger that passes every record through
+`log_events.events_of_line` (detectors) and `landing_of_line` (SGLang's own perturbations), and
+appends what they report to the event log `CANARY_SERVER_EVENT_LOG` names, one JSON object a line,
+flushed and fsynced before the record's own handlers run on (a crash that follows loses nothing).
+Nothing here raises into SGLang: a handler that fails is logging's own error.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+
+from canaries.server.log_events import events_of_line, landing_of_line
+
+__all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "EventLogHandler", "install"]
+
+EVENT_LOG_ENV = "CANARY_SERVER_EVENT_LOG"
+# The index, in the scenario, of the perturbation SGLang's own req_to_token knob carries out.
+PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
+
+
+class EventLogHandler(logging.Handler):
+    """SGLang's log records as the suite's events, appended to one JSONL file."""
+
+    def __init__(self, path: str, scheduler: object) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+        self._scheduler = weakref.ref(scheduler)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._level = _LEVELS.get(os.environ.get("SGLANG_INVARIANT_CHECK", "0"), "OFF")
+        index = os.environ.get(PERTURB_INDEX_ENV)
+        self._perturb_index = int(index) if index not in (None, "") else None
+        self._landings = 0
+
+    def step(self) -> int:
+        scheduler = self._scheduler()
+        return int(getattr(scheduler, "forward_ct", 0)) if scheduler is not None else 0
+
+    def write(self, event: dict) -> None:
+        with self._lock:
+            self._seq += 1
+            event = {"seq": self._seq, "ts": time.time(), **event}
+            self._file.write(json.dumps(event, default=str) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        step = self.step()
+        for line in text.splitlines():
+            if self._perturb_index is not None:
+                landing = landing_of_line(line, step=step, index=self._perturb_index)
+                if landing is not None:
+                    self._landings += 1
+                    self.write({**landing, "landing": self._landings})
+                    continue
+            for event in events_of_line(line, step=step, level=self._level):
+                self.write(event)
+
+
+def _watch(scheduler_class: type) -> None:
+    original = scheduler_class.__init__
+    if getattr(original, "__canary_watched__", False):
+        return
+
+    def init(self, *args, **kwargs):
+        # Attached first: what SGLang logs while it builds its pools and caches counts too.
+        handler = EventLogHandler(os.environ[EVENT_LOG_ENV], self)
+        logging.getLogger("sglang").addHandler(handler)
+        handler.write({"kind": "engine_start", "step": 0, "runtime": "sglang-server",
+                       "config": {"invariant_check": handler._level.lower()}})
+        original(self, *args, **kwargs)
+
+    init.__canary_watched__ = True
+    scheduler_class.__init__ = init
+
+
+class _SchedulerFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of SGLang's scheduler module so that its
+    `Scheduler` is watched as soon as the module has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != SCHEDULER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_watch(module):
+            exec_module(module)
+            _watch(module.Scheduler)
+
+        loader.exec_module = exec_and_watch
+        return spec
+
+
+def install() -> None:
+    """Watch SGLang's scheduler where an event log is asked for (idempotent)."""
+    if not os.environ.get(EVENT_LOG_ENV):
+        return
+    module = sys.modules.get(SCHEDULER_MODULE)
+    if module is not None:
+        _watch(module.Scheduler)
+    elif not any(isinstance(f, _SchedulerFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SchedulerFinder())
