@@ -47,3 +47,41 @@ def test_unknown_invariant_keeps_sglangs_name_and_ordinary_lines_report_nothing(
     assert detector_of(event) == "radix.lock_ref" and event["bucket"] == "UNKNOWN"
     assert events_of_line("[2026-12-03] Prefill batch. #new-seq: 1, #new-token: 5", step=1) == []
     assert events_of_line("kv_canary perturb: enabled after warmup window at step=0", step=1) == []
+
+
+def test_plugin_writes_sglang_records_as_events_stamped_with_the_scheduler_step(tmp_path, monkeypatch) -> None:
+    import json
+    import logging
+
+    from canaries.server import scheduler_plugin
+
+    class FakeScheduler:
+        def __init__(self) -> None:
+            self.forward_ct = 0
+
+    monkeypatch.setenv(scheduler_plugin.EVENT_LOG_ENV, str(tmp_path / "events.jsonl"))
+    monkeypatch.setenv(scheduler_plugin.PERTURB_INDEX_ENV, "0")
+    monkeypatch.setenv("SGLANG_INVARIANT_CHECK", "1")
+    scheduler_plugin._watch(FakeScheduler)
+    scheduler = FakeScheduler()
+    logger = logging.getLogger("sglang.srt.kv_canary.runner.violation_reporter")
+    try:
+        scheduler.forward_ct = 2
+        logger.warning("kv_canary perturb req_to_token: req_pool_idx=4 position=2 original_slot=3 new_slot=1")
+        scheduler.forward_ct = 3
+        logger.warning(CANARY_LINE)
+        logger.warning(HIT_LINE)
+    finally:
+        for handler in list(logging.getLogger("sglang").handlers):
+            if isinstance(handler, scheduler_plugin.EventLogHandler):
+                logging.getLogger("sglang").removeHandler(handler)
+                handler.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["engine_start", "perturbation_landed", "canary_violation",
+                                           "canary_violation", "invariant_firing"]
+    landed = events[1]
+    assert landed["step"] == 2 and landed["index"] == 0 and landed["landing"] == 1
+    assert landed["damage"] == [{"kind": "req_to_token", "position": 2, "row": 4, "before": 3, "after": 1,
+                                 "detail": "sglang_perturb"}]
+    assert {e["step"] for e in events[2:]} == {3}
+    assert events[4]["level"] == "WARN" and [e["seq"] for e in events] == [1, 2, 3, 4, 5]

@@ -59,6 +59,11 @@ class EventLogHandler(logging.Handler):
             self._file.flush()
             os.fsync(self._file.fileno())
 
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+        super().close()
+
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if record.exc_info:
