@@ -27,6 +27,9 @@ from canaries.server.log_events import events_of_line, landing_of_line
 __all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "EventLogHandler", "install"]
 
 EVENT_LOG_ENV = "CANARY_SERVER_EVENT_LOG"
+# The run's spec (spec.json: engine knobs, perturbations, seed): the project's own kinds, armed in
+# the scheduler process at their triggers.
+SPEC_ENV = "CANARY_SERVER_SPEC"
 # The index, in the scenario, of the perturbation SGLang's own req_to_token knob carries out.
 PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
@@ -92,9 +95,46 @@ def _watch(scheduler_class: type) -> None:
         handler.write({"kind": "engine_start", "step": 0, "runtime": "sglang-server",
                        "config": {"invariant_check": handler._level.lower()}})
         original(self, *args, **kwargs)
+        if os.environ.get(SPEC_ENV):
+            _arm(self, os.environ[SPEC_ENV], handler.write)
 
     init.__canary_watched__ = True
     scheduler_class.__init__ = init
+    run_batch = scheduler_class.run_batch
+    process_batch_result = scheduler_class.process_batch_result
+
+    def run_batch_perturbed(self, batch, *args, **kwargs):
+        armed = getattr(self, "_canary_perturber", None)
+        if armed is not None:
+            from engine_stub.perturb.sites import BeforeStep
+
+            perturber, facade = armed
+            perturber.at(BeforeStep(), facade)
+        return run_batch(self, batch, *args, **kwargs)
+
+    def process_batch_result_counted(self, batch, *args, **kwargs):
+        out = process_batch_result(self, batch, *args, **kwargs)
+        armed = getattr(self, "_canary_perturber", None)
+        if armed is not None and batch is not None:
+            armed[1].finished_requests += sum(1 for r in batch.reqs if r.finished())
+        return out
+
+    scheduler_class.run_batch = run_batch_perturbed
+    scheduler_class.process_batch_result = process_batch_result_counted
+
+
+def _arm(scheduler: object, spec_path: str, write) -> None:
+    """The scenario's perturbations, on the engine's own Perturber, over SGLang's objects."""
+    from canaries.server.sglang_view import SchedulerFacade, SGLangView
+    from engine_stub.perturb.loader import load_engine_scenario
+
+    knobs, perturber = load_engine_scenario(spec_path)
+    if perturber is None:
+        return
+    window, page_size = int(knobs.get("window", 16)), int(knobs.get("page_size", 1))
+    facade = SchedulerFacade(scheduler, window, page_size, write)
+    perturber._view = SGLangView(scheduler, window, page_size)  # the kinds' view: SGLang's objects
+    scheduler._canary_perturber = (perturber, facade)
 
 
 class _SchedulerFinder(importlib.abc.MetaPathFinder):
