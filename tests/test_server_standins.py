@@ -136,3 +136,33 @@ def test_launch_refuses_knobs_the_server_cannot_express(tmp_path: Path) -> None:
     assert fields == ["memory"]
     with pytest.raises(ValueError, match="memory: the server runs its own memory path"):
         ServerLaunch(config, tmp_path, 31000)
+
+
+def test_only_kinds_with_a_hook_in_sglangs_scheduler_are_placed_there() -> None:
+    from canaries.runtime.sglang_server import unsupported_kinds
+
+    assert unsupported_kinds([{"kind": "corrupt_req_to_token"}, {"kind": "flip_kv_byte"}]) == []
+    reasons = unsupported_kinds([{"kind": "skip_free_swa"}, {"kind": "no_such_kind"}])
+    assert reasons[0].startswith("perturbations[0]: kind skip_free_swa acts at on_window_eviction")
+    assert reasons[1] == "perturbations[1]: unknown kind 'no_such_kind'"
+
+
+def test_server_oracle_reports_answers_that_differ_from_the_clean_servers(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from canaries.server.oracle import ServerOracle, mismatches
+
+    plan = [SimpleNamespace(rid="r0", prompt=[1, 2], max_new_tokens=3), SimpleNamespace(rid="r1", prompt=[3], max_new_tokens=3)]
+    oracle = ServerOracle(tmp_path, {"window": 8}, plan, release="0.5.23")
+    calls = []
+
+    def clean_run() -> list[dict]:
+        calls.append(1)
+        return [{"rid": "r0", "output_ids": [5, 6, 7]}, {"rid": "r1", "output_ids": [8, 9, 10]}]
+
+    reference = oracle.reference(clean_run)
+    assert oracle.reference(clean_run) == reference and len(calls) == 1  # computed once, then cached
+    found = mismatches(reference, [{"rid": "r0", "output_ids": [5, 6, 7]}, {"rid": "r1", "output_ids": [8, 4, 10]},
+                                   {"rid": "r2", "output_ids": None}])
+    assert found == [{"rid": "r1", "first_diff": 1, "expected": [8, 9, 10], "got": [8, 4, 10]}]
+    assert ServerOracle(tmp_path, {"window": 16}, plan, release="0.5.23").key != oracle.key

@@ -156,3 +156,88 @@ class SGLangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerUnsupported(RuntimeError):
+    """The scenario asks for something this runtime cannot do on SGLang's server; the message
+    names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
+
+
+# Engine knobs of a spec the server does not take: the harness's lockstep gate (SGLang's
+# scheduler admits as requests arrive), the device (the runtime's own), the memory backend.
+_HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device", "memory")
+
+
+def unsupported_kinds(perturbations: list[dict]) -> list[str]:
+    """Why each perturbation of a spec cannot be placed in SGLang's scheduler yet (empty: all can)."""
+    from engine_stub.perturb.kinds import KINDS
+    from engine_stub.perturb.sites import Site
+
+    reasons = []
+    for index, spec in enumerate(perturbations):
+        kind = KINDS.get(spec.get("kind"))
+        if kind is None:
+            reasons.append(f"perturbations[{index}]: unknown kind {spec.get('kind')!r}")
+        elif kind.site != Site.BEFORE_STEP:
+            reasons.append(f"perturbations[{index}]: kind {kind.name} acts at {kind.site.value}, "
+                           "a site with no hook in SGLang's scheduler yet (only before_step kinds run there)")
+    return reasons
+
+
+class SGLangServerRuntime:
+    """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
+    (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
+    armed in its scheduler process, its events from its own log (canaries/server/)."""
+
+    start_mode = "fresh"
+
+    def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
+                 engine_root: str | os.PathLike | None = None, device: str = "cpu", **_: object) -> None:
+        if engine_root is not None:
+            raise ServerUnsupported("the sglang-server runtime runs SGLang's code: another engine_stub "
+                                    "(a catalogue mutant, another commit) does not apply")
+        if python is None:
+            from canaries.releases.venvs import find_python
+
+            python = find_python("0.5.23", server=True)
+        if python is None:
+            raise ServerUnsupported("no venv runs SGLang's server here: bash scripts/make-sglang-venv.sh --server")
+        self.python = str(python)
+        self.device = device
+        # The runner's timeout is sized for our engine (seconds); a server start is mostly imports.
+        self.ready_timeout = max(ready_timeout, READY_TIMEOUT_S)
+        self.server: SGLangServer | None = None
+        self.exit_code: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None and self.server.proc is not None and self.server.proc.poll() is None
+
+    def start(self, spec_path: str | os.PathLike, run_dir: str | os.PathLike) -> str:
+        import json
+
+        from engine_stub.config import config_from_sources
+
+        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+        reasons = unsupported_kinds(list(spec.get("perturbations") or []))
+        if reasons:
+            raise ServerUnsupported("; ".join(reasons))
+        knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
+        config = config_from_sources(overrides=knobs, environ={})
+        self.server = SGLangServer(self.python, config, device=self.device, ready_timeout=self.ready_timeout)
+        extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
+        return self.server.start(run_dir, extra)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.server is None:
+            return None
+        graceful = self.running
+        self.exit_code = self.server.stop(timeout)
+        if graceful and self.exit_code == 0 and self.server.event_log is not None:
+            # It served until asked to stop and stopped cleanly: the engine's own shutdown record.
+            with open(self.server.event_log, "a", encoding="utf-8") as log:
+                log.write('{"kind": "shutdown", "step": -1, "by": "harness"}\n')
+        return self.exit_code
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.server.log_tail(lines) if self.server is not None else ""
