@@ -3,7 +3,7 @@ are SGLang 0.5.23's, as its server wrote them on this machine's CPU."""
 
 from __future__ import annotations
 
-from canaries.server.log_events import events_of_line
+from canaries.server.log_events import events_of_line, events_of_record
 from canaries.verdict.record import detector_of
 
 CANARY_LINE = ("[2026-12-03 10:02:11] kv_canary violation: launch_tag=HEAD_K_FULL "
@@ -85,3 +85,21 @@ def test_plugin_writes_sglang_records_as_events_stamped_with_the_scheduler_step(
                                  "detail": "sglang_perturb"}]
     assert {e["step"] for e in events[2:]} == {3}
     assert events[4]["level"] == "WARN" and [e["seq"] for e in events] == [1, 2, 3, 4, 5]
+
+
+def test_scheduler_death_by_an_idle_leak_is_that_ledgers_crash() -> None:
+    record = ("Scheduler hit an exception: Traceback (most recent call last):\n"
+              '  File "scheduler.py", line 6367, in run_scheduler_process\n'
+              "ValueError: pool memory leak detected! [full] total=2048, available=2047, evictable=0")
+    firing, crash = events_of_record(record, step=40, level="STRICT")
+    assert detector_of(firing) == "idle.full_ledger" and firing["crashed"] is True
+    assert crash == {"kind": "crash", "cause": "invariant", "invariant": "idle.full_ledger",
+                     "error": "ValueError: pool memory leak detected! [full] total=2048, available=2047, evictable=0",
+                     "step": 40}
+
+
+def test_scheduler_death_by_anything_else_is_an_error_crash() -> None:
+    (crash,) = events_of_record("Scheduler hit an exception: Traceback\nKeyError: 'x'", step=3)
+    assert crash["cause"] == "error" and crash["error"] == "KeyError: 'x'"
+    failed = events_of_record("Scheduler hit an exception: Traceback\n" + FAILED_LINE, step=3)
+    assert [e["kind"] for e in failed] == ["invariant_firing", "crash"]  # the invariant's own crash

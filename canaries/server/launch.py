@@ -57,6 +57,9 @@ class ServerLaunch:
                 "--max-running-requests", str(c.max_running_requests),
                 "--max-prefill-tokens", str(c.max_prefill_tokens),
                 "--random-seed", str(c.seed),
+                # The scenario's requests are the first the server sees: no warm-up request of its
+                # own runs its memory path (or trips its idle check) before the workload.
+                "--skip-server-warmup",
                 "--host", "127.0.0.1", "--port", str(self.port)]
         # The chunk our engine would use (auto resolved against the SWA pool), -1: never chunk.
         chunk = c.prefill_chunk_tokens

@@ -14,7 +14,7 @@ import re
 
 from engine_stub.detectors import detector
 
-__all__ = ["CANARY_REASONS", "events_of_line", "landing_of_line"]
+__all__ = ["CANARY_REASONS", "events_of_line", "events_of_record", "landing_of_line"]
 
 # kv_canary/runner/violation_reporter.py `_format_violation` (a format SGLang's tests freeze):
 # `kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_chain_hash+verify_position
@@ -129,3 +129,26 @@ def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
             "before": before, "after": after,
             "damage": [{"kind": "req_to_token", "position": position, "row": row, "before": before,
                         "after": after, "detail": "sglang_perturb"}]}
+
+
+# managers/scheduler.py run_scheduler_process: the scheduler's last words before it dies.
+_SCHEDULER_DIED = "Scheduler hit an exception"
+
+
+def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
+    """The events of one log record (its lines, traceback included). A record saying the
+    scheduler died ends with a `crash`: the invariant whose failure killed it (an idle leak report
+    at strict too, as our engine's idle ledgers crash there), else the exception's last line."""
+    events = [event for line in text.splitlines() for event in events_of_line(line, step=step, level=level)]
+    if _SCHEDULER_DIED not in text or any(e["kind"] == "crash" for e in events):
+        return events
+    firings = [e for e in events if e["kind"] == "invariant_firing"]
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    if firings:
+        for firing in firings:
+            firing["crashed"] = True
+        events.append({"kind": "crash", "cause": "invariant", "invariant": firings[-1]["invariant"],
+                       "error": last[:2000], "step": step})
+    else:
+        events.append({"kind": "crash", "cause": "error", "error": last[:2000], "step": step})
+    return events

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 
-from canaries.server.log_events import events_of_line, landing_of_line
+from canaries.server.log_events import events_of_record, landing_of_line
 
 __all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "EventLogHandler", "install"]
 
@@ -72,15 +72,14 @@ class EventLogHandler(logging.Handler):
         if record.exc_info:
             text += "\n" + logging.Formatter().formatException(record.exc_info)
         step = self.step()
-        for line in text.splitlines():
-            if self._perturb_index is not None:
+        if self._perturb_index is not None:
+            for line in text.splitlines():
                 landing = landing_of_line(line, step=step, index=self._perturb_index)
                 if landing is not None:
                     self._landings += 1
                     self.write({**landing, "landing": self._landings})
-                    continue
-            for event in events_of_line(line, step=step, level=self._level):
-                self.write(event)
+        for event in events_of_record(text, step=step, level=self._level):
+            self.write(event)
 
 
 def _watch(scheduler_class: type) -> None:
@@ -100,6 +99,13 @@ def _watch(scheduler_class: type) -> None:
 
     init.__canary_watched__ = True
     scheduler_class.__init__ = init
+    if hasattr(scheduler_class, "run_batch") and hasattr(scheduler_class, "process_batch_result"):
+        _hook_steps(scheduler_class)
+
+
+def _hook_steps(scheduler_class: type) -> None:
+    """Before each batch runs: the armed perturbations' before_step site; after its result:
+    the finished requests the request_finish trigger counts."""
     run_batch = scheduler_class.run_batch
     process_batch_result = scheduler_class.process_batch_result
 
