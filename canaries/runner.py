@@ -208,6 +208,49 @@ class _Oracle:
         return self._mismatches, self._error
 
 
+class _FixedOracle:
+    """An oracle whose answer is already known (the sglang-server runtime's, below)."""
+
+    def __init__(self, mismatches: list[dict], error: str | None) -> None:
+        self._mismatches, self._error = mismatches, error
+
+    def start(self, responses: list[dict]) -> None:
+        pass
+
+    def result(self) -> tuple[list[dict], str | None]:
+        return self._mismatches, self._error
+
+
+def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
+                   patience: Patience, responses: list[dict]) -> _FixedOracle:
+    """For a clean greedy scenario on SGLang's server: its answers against a clean server's
+    (canaries/server/oracle.py), cached beside the run's report."""
+    if not (scenario.expect.clean and workload.temperature == 0 and responses):
+        return _FixedOracle([], None)
+    from canaries.runtime.sglang_server import SGLangServerRuntime
+    from canaries.server.oracle import ServerOracle, mismatches
+
+    clean_spec = {**spec, "perturbations": []}
+    oracle = ServerOracle(run_dir.parent / ".server-oracle", clean_spec["engine"], plan, release="0.5.23")
+
+    def clean_run() -> list[dict]:
+        clean_dir = run_dir / "oracle"
+        clean_dir.mkdir(parents=True, exist_ok=True)
+        clean_path = clean_dir / "spec.json"
+        clean_path.write_text(json.dumps(clean_spec, indent=2, default=str) + "\n", encoding="utf-8")
+        clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S)
+        try:
+            return drive_workload(clean.start(clean_path, clean_dir), workload, seed, patience, plan=plan,
+                                  progress=clean.progress)
+        finally:
+            clean.stop()
+
+    try:
+        return _FixedOracle(mismatches(oracle.reference(clean_run), responses), None)
+    except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
+        return _FixedOracle([], f"the clean server's oracle failed: {type(exc).__name__}: {exc}")
+
+
 # ---- one scenario ----------------------------------------------------------------------------------
 
 
@@ -315,12 +358,19 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             raise _Cancelled
         if on_started is not None:
             on_started(rt)
-        responses = drive_workload(base_url, workload, seed, patience or patience_for(workload), plan=plan)
+        # A runtime that knows its engine's progress its own way (SGLang's server) says so.
+        responses = drive_workload(base_url, workload, seed, patience or patience_for(workload), plan=plan,
+                                   progress=getattr(rt, "progress", None))
         mark("drive")
+        if runtime == "sglang-server":
+            oracle = _server_oracle(scenario, spec, plan, run_dir, workload, seed,
+                                    patience or patience_for(workload), responses)
         oracle.start(responses)  # computed while the engine idles and stops
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
         timed_out = hang is not None
-        if rt.running and hang is None:  # a stalled engine runs no idle check
+        # A stalled engine runs no idle check; SGLang's server has no /state (its own idle check
+        # runs as its scheduler idles).
+        if rt.running and hang is None and runtime != "sglang-server":
             state = _wait_idle_check(base_url, rt, IDLE_WAIT_S)
             if state is not None:
                 _write_jsonl(run_dir / "state.json", [state])

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Build (or refresh) a CPU-only virtual environment with an SGLang candidate importable.
 #
-#     bash scripts/make-sglang-venv.sh [--version X | --source WHEEL_OR_TREE] [--relock] [VENV]
+#     bash scripts/make-sglang-venv.sh [--server] [--version X | --source WHEEL_OR_TREE] [--relock] [VENV]
+#
+# --server: a venv that runs SGLang's own server too (`python -m sglang.launch_server`, the
+# suite's sglang-server runtime): the import check adds the server's start-up modules with SGLang's
+# CPU engine on, the locks live in configs/sglang/server/, and the default venv names gain
+# "-server" (.venv-sglang-server, .venv-sglang-server-X, ...).
 #
 # Without --version: SGLang 0.5.23 into VENV, default .venv-sglang in the repo root (what CI
 # builds). With --version X: any release on the package index, into .venv-sglang-X by default.
@@ -47,6 +52,8 @@ usage() { sed -n '4p' "${BASH_SOURCE[0]}" | sed 's/^# *//' >&2; }
 VERSION=""
 SOURCE=""
 RELOCK=()
+PROFILE=(--profile memory)
+KIND=""
 VENV=""
 while (($#)); do
     case "$1" in
@@ -55,6 +62,7 @@ while (($#)); do
         --source) SOURCE="${2:?--source needs a wheel file or a source directory}"; shift 2 ;;
         --source=*) SOURCE="${1#--source=}"; shift ;;
         --relock) RELOCK=(--relock); shift ;;
+        --server) PROFILE=(--profile server); KIND="-server"; shift ;;
         -h | --help) usage; exit 0 ;;
         -*) echo "make-sglang-venv: unknown option $1" >&2; usage; exit 2 ;;
         *)
@@ -69,19 +77,19 @@ if [[ -n "$SOURCE" ]]; then
     [[ -e "$SOURCE" ]] || { echo "make-sglang-venv: --source $SOURCE: no such file or directory" >&2; exit 2; }
     SOURCE="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
     if [[ -f "$SOURCE" ]]; then
-        VENV="${VENV:-$REPO_ROOT/.venv-sglang-wheel-$(sha256sum "$SOURCE" | cut -c1-12)}"
+        VENV="${VENV:-$REPO_ROOT/.venv-sglang$KIND-wheel-$(sha256sum "$SOURCE" | cut -c1-12)}"
     else
         # A checkout's root or its python/ directory: the venv is named after the one holding sglang/.
         [[ -d "$SOURCE/python/sglang" ]] && SOURCE="$SOURCE/python"
-        VENV="${VENV:-$REPO_ROOT/.venv-sglang-tree-$(printf '%s' "$SOURCE" | sha256sum | cut -c1-12)}"
+        VENV="${VENV:-$REPO_ROOT/.venv-sglang$KIND-tree-$(printf '%s' "$SOURCE" | sha256sum | cut -c1-12)}"
     fi
     CANDIDATE=(--source "$SOURCE")
 elif [[ -z "$VERSION" ]]; then
     VERSION="$DEFAULT_VERSION"
-    VENV="${VENV:-$REPO_ROOT/.venv-sglang}"
+    VENV="${VENV:-$REPO_ROOT/.venv-sglang$KIND}"
     CANDIDATE=(--version "$VERSION")
 else
-    VENV="${VENV:-$REPO_ROOT/.venv-sglang-$VERSION}"
+    VENV="${VENV:-$REPO_ROOT/.venv-sglang$KIND-$VERSION}"
     CANDIDATE=(--version "$VERSION")
 fi
 
@@ -227,5 +235,5 @@ echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_s
 # ---- 3. sglang and its import closure (canaries/releases/closure.py) ---------------------------
 started=$SECONDS
 PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m canaries.releases.closure \
-    "${CANDIDATE[@]}" --lock-dir "$REPO_ROOT/configs/sglang" "${RELOCK[@]}"
+    "${CANDIDATE[@]}" --lock-dir "$REPO_ROOT/configs/sglang" "${RELOCK[@]}" "${PROFILE[@]}"
 log "$VENV ready ($((SECONDS - started))s for sglang and its closure)"

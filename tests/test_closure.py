@@ -85,6 +85,14 @@ def test_named_version_conflict_installs_what_the_message_asks_for():
     assert pip.calls == [(("huggingface-hub>=1.3.0,<2.0",), True)]
 
 
+def test_package_asking_for_another_by_name_installs_it_not_another_version_of_itself():
+    pip = RecordingPip(versions={"fastapi": ["0.165.0", "0.164.0"]})
+    resolver = Resolver(pip, None, log=lambda _: None, requirements={})
+    resolver.step(_failure(type="RuntimeError", message='Form data requires "python-multipart" to be installed.',
+                           dists=["sglang", "fastapi"]))
+    assert pip.calls == [(("python-multipart",), True)]
+
+
 def test_failure_inside_a_distribution_tries_its_other_versions_then_gives_up():
     pip = RecordingPip(versions={"triton": ["3.6.0", "3.5.1", "3.4.0", "3.3.1"]})
     resolver = Resolver(pip, None, log=lambda _: None, requirements={})

@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="scenario files or folders (default: every scenario in configs/scenarios)")
     run_.add_argument("-k", dest="k", metavar="EXPR",
                       help="select by name: case-insensitive substrings with and/or/not")
-    run_.add_argument("--runtime", default="local", help="local (default) | docker")
+    run_.add_argument("--runtime", default="local", help="local (default) | docker | sglang-server (SGLang's own server: "
+                      "bash scripts/make-sglang-venv.sh --server)")
     run_.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                       help="override every scenario's engine.device")
     run_.add_argument("--report-dir", metavar="DIR", help="default: reports/<run-id>/")

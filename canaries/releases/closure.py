@@ -70,6 +70,9 @@ MAX_STEPS = 80
 VERSION_TRIES = 4
 _REQUIRED_RE = re.compile(
     r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*((?:[<>=!~]=?\s*[\w.*+]+\s*,?\s*)+)\s+is required")
+# A package that checks for an optional one by name, e.g. fastapi's `Form data requires
+# "python-multipart" to be installed.`
+_NAMED_DIST_RE = re.compile(r'requires "([A-Za-z0-9][A-Za-z0-9._-]*)" to be installed')
 
 
 class ClosureError(RuntimeError):
@@ -185,11 +188,15 @@ class Pip:
         return [v.strip() for v in match.group(1).split(",")] if match else []
 
 
-def import_check() -> dict:
-    """Run import_check.py in a fresh interpreter of this venv."""
+PROFILES = ("memory", "server")  # what the venv must import: the memory path, or the server too
+
+
+def import_check(profile: str = "memory") -> dict:
+    """Run import_check.py in a fresh interpreter of this venv, for `profile`."""
     script = Path(__file__).with_name("import_check.py")
     repo = str(Path(__file__).resolve().parents[2])  # so the check imports the engine's modules too
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CANARY_CLOSURE_PROFILE": profile}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -302,6 +309,14 @@ class Resolver:
                 self.log(f"{where} asks for {requirement}: installing it")
                 self._install_with_deps(requirement, where, why)
                 return
+        asked = _NAMED_DIST_RE.search(failure["message"])
+        if asked and normalize(asked.group(1)) not in self.added:
+            dist = normalize(asked.group(1))
+            self.added.append(dist)
+            requirement = self.wanted(dist)
+            self.log(f"{where} asks for {dist} by name: installing {requirement}")
+            self._install_with_deps(requirement, where, why)
+            return
         culprits = [d for d in failure["dists"] if d not in ("sglang", "torch") and not NEVER.match(d)]
         if not culprits:
             raise ClosureError(f"{where} failed inside sglang or torch: {why}")
@@ -373,14 +388,14 @@ def _check_torch() -> None:
         raise ClosureError(f"torch is {torch_version}, not the CPU build 2.13.0+cpu: something moved it")
 
 
-def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log) -> Resolution:
+def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log, profile: str = "memory") -> Resolution:
     """Resolve the closure of the installed candidate from scratch (or from `seed`'s guess)."""
     started = time.monotonic()
     resolver = Resolver(pip, seed, log)
     resolver.first_guess()
     checks = 0
     for _ in range(MAX_STEPS):
-        check = import_check()
+        check = import_check(profile)
         checks += 1
         _check_torch()
         if check["ok"]:
@@ -388,19 +403,28 @@ def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log) -> Resolu
         resolver.step(check["error"])
     else:
         raise ClosureError(f"no closure after {MAX_STEPS} steps; last failure: {check['error']}")
-    header = [f"SGLang {candidate.version}: the import closure (--no-deps) of what the project imports",
+    what = "imports" if profile == "memory" else "imports and its server (launch_server, CPU engine)"
+    header = [f"SGLang {candidate.version}: the import closure (--no-deps) of what the project {what}",
               "from it on CPU torch 2.13.0, resolved by scripts/make-sglang-venv.sh "
               "(canaries/releases/closure.py).",
               f"Generated {dt.date.today().isoformat()} from {identity(candidate)}"
               + (f", first guess {seed.version}'s lock" if seed else ", from nothing") + ": do not edit;",
-              f"regenerate with `bash scripts/make-sglang-venv.sh --version {candidate.version} --relock`.",
+              f"regenerate with `bash scripts/make-sglang-venv.sh{' --server' if profile == 'server' else ''} "
+              f"--version {candidate.version} --relock`.",
               "Each pin: the modules it provides <- the module that first imported it."]
     lock = _lock_from(check, candidate, header)
     return Resolution(lock, pip.installs, checks, time.monotonic() - started, seed.version if seed else "")
 
 
-def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: bool, log) -> Resolution:
-    """Install the candidate and its closure into this venv; reuse a lock that fits."""
+def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: bool, log,
+          profile: str = "memory") -> Resolution:
+    """Install the candidate and its closure into this venv; reuse a lock that fits.
+
+    The `server` profile keeps its locks in `lock_dir/server/`; with none near, its first guess
+    is the nearest memory-path lock."""
+    if profile == "server":
+        memory_dir, lock_dir = lock_dir, lock_dir / "server"
+        lock_dir.mkdir(exist_ok=True)
     started = time.monotonic()
     constraints = venv_lock.with_name(".sglang-venv-constraints.txt")
     constraints.write_text(TORCH_PIN + "\n", encoding="utf-8")
@@ -420,17 +444,19 @@ def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: b
         lock = read_lock(reusable)
         log(f"installing the lock {reusable.name} ({len(lock.pins)} pins, --no-deps)")
         ok, err = pip.install([r for r in lock.requirements() if not r.startswith("sglang==")], deps=False)
-        check = import_check() if ok else {"ok": False, "error": {"message": _last_line(err)}}
+        check = import_check(profile) if ok else {"ok": False, "error": {"message": _last_line(err)}}
         _check_torch()
         if check["ok"]:
             venv_lock.write_text(lock.text() + f"# built from {identity(candidate)}\n", encoding="utf-8")
             return Resolution(lock, pip.installs, 1, time.monotonic() - started, "lock")
         log(f"the lock {reusable} does not import ({check['error'].get('message', '')}); resolving anew")
     seed_path = nearest_lock(candidate.version, lock_dir, exclude_self=relock)
+    if seed_path is None and profile == "server":
+        seed_path = nearest_lock(candidate.version, memory_dir)
     seed = read_lock(seed_path) if seed_path else None
     log(f"resolving the closure of {identity(candidate)}"
         + (f" (first guess: {seed_path.name})" if seed_path else " (no lock to start from)"))
-    resolution = resolve(candidate, seed, pip, log)
+    resolution = resolve(candidate, seed, pip, log, profile)
     venv_lock.write_text(resolution.lock.text() + f"# built from {identity(candidate)}\n", encoding="utf-8")
     if candidate.kind == "index" and (relock or not own.is_file()):
         resolution.lock.write(own)
@@ -444,12 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", help="a wheel file or a source checkout instead")
     parser.add_argument("--lock-dir", required=True, help="where the repo keeps locks (configs/sglang)")
     parser.add_argument("--relock", action="store_true", help="resolve even where a lock exists, and rewrite it")
+    parser.add_argument("--profile", choices=PROFILES, default="memory",
+                        help="memory: what the memory-path adapters import (default); server: SGLang's server too")
     args = parser.parse_args(argv)
     log = lambda line: print(f"make-sglang-venv: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    venv_lock = Path(sys.prefix) / "sglang-closure.lock"
+    venv_lock = Path(sys.prefix) / ("sglang-closure.lock" if args.profile == "memory" else "sglang-server-closure.lock")
     try:
         candidate = candidate_of(args.version, args.source)
-        result = build(candidate, Path(args.lock_dir), venv_lock, relock=args.relock, log=log)
+        result = build(candidate, Path(args.lock_dir), venv_lock, relock=args.relock, log=log,
+                       profile=args.profile)
     except (ClosureError, ReleaseError) as exc:
         log(f"sglang {args.version or args.source}: {exc}")
         return 1

@@ -52,6 +52,22 @@ ENGINE = ("engine_stub.server", "engine_stub.forkserver", "engine_stub.mem.sglan
           "engine_stub.mem.sglang_tree", "engine_stub.mem.sglang_req_to_token")
 # Imported where the release has them (0.5.23 has no swa_radix_cache).
 OPTIONAL = ("sglang.srt.mem_cache.swa_radix_cache",)
+# The `server` profile (CANARY_CLOSURE_PROFILE=server): what `python -m sglang.launch_server`
+# imports as it starts, in its three processes, with SGLang's CPU engine on (as the suite
+# launches it on a CPU: SGLANG_USE_CPU_ENGINE=1 and the project's stand-ins for sgl_kernel).
+SERVER = (
+    "sglang.launch_server",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.models.commandr",
+    "sglang.srt.layers.attention.torch_native_backend",
+    "sglang.srt.mem_cache.allocation",
+    "sglang.srt.mem_cache.common",
+)
+PROFILE_ENV = "CANARY_CLOSURE_PROFILE"
 
 
 PROJECT = {"engine_stub", "canaries"}  # the project's own packages, on the path, never in a closure
@@ -165,8 +181,13 @@ def main() -> int:
     sys.meta_path.insert(0, _FirstImporter)
     started = time.perf_counter()
     target = ""
+    server = os.environ.get(PROFILE_ENV) == "server"
     try:
-        for target in REQUIRED:
+        if server:
+            target = "canaries.server.cpu_standins"
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            importlib.import_module(target).install()
+        for target in REQUIRED + (SERVER if server else ()):
             importlib.import_module(target)
         # Asked only now: find_spec of a submodule imports its parents, and a parent that fails
         # there leaves importlib in a state that hides the real error.

@@ -80,6 +80,15 @@ _CATALOGUE = (
         models="PR #36723's free_swa contract (a peer must be mapped) dropped from the CPU path of "
                "free_swa: a stripped or padding mapping is released unchecked",
     ),
+    SGLangPatch(
+        name="release-leaks-last-slot",
+        file="srt/mem_cache/common.py",
+        old="    tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])\n",
+        new="    tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len - 1)])\n",
+        models="the request-level release (mem_cache/common.py release_kv_cache, called by SGLang's "
+               "scheduler as a request finishes, never by `memory: sglang`) frees its row one slot "
+               "short: every finished request leaks its last KV slot",
+    ),
 )
 
 

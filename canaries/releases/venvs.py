@@ -28,14 +28,16 @@ MAKE_VENV = REPO / "scripts" / "make-sglang-venv.sh"
 VENV_LOCK = "sglang-closure.lock"
 
 
-def venv_candidates(version: str, root: Path = REPO) -> list[Path]:
-    """Where the venv of release `version` may be, in order of preference."""
-    return [root / f".venv-sglang-{version}", root / ".venv-sglang"]
+def venv_candidates(version: str, root: Path = REPO, *, server: bool = False) -> list[Path]:
+    """Where the venv of release `version` may be, in order of preference (`server`: the venv
+    that also runs SGLang's server, `make-sglang-venv.sh --server`)."""
+    kind = "-server" if server else ""
+    return [root / f".venv-sglang{kind}-{version}", root / f".venv-sglang{kind}"]
 
 
-def find_python(version: str, root: Path = REPO) -> Path | None:
+def find_python(version: str, root: Path = REPO, *, server: bool = False) -> Path | None:
     """The interpreter of release `version`'s venv if one is built here (nothing is built)."""
-    for venv in venv_candidates(version, root):
+    for venv in venv_candidates(version, root, server=server):
         if installed_version(venv / "bin" / "python") == version:
             return venv / "bin" / "python"
     return None

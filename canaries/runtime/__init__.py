@@ -6,7 +6,7 @@ from canaries.runtime.local import LocalRuntime
 
 __all__ = ["LocalRuntime", "RUNTIMES", "get_runtime"]
 
-RUNTIMES = ("local", "docker")
+RUNTIMES = ("local", "docker", "sglang-server")
 
 
 def get_runtime(name: str, **kwargs):
@@ -17,4 +17,8 @@ def get_runtime(name: str, **kwargs):
         from canaries.runtime.docker import DockerRuntime
 
         return DockerRuntime(**kwargs)
+    if name == "sglang-server":
+        from canaries.runtime.sglang_server import SGLangServerRuntime
+
+        return SGLangServerRuntime(**kwargs)
     raise ValueError(f"unknown runtime {name!r}; valid runtimes: {', '.join(RUNTIMES)}")

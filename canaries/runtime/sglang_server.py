@@ -1,0 +1,276 @@
+"""SGLang's own server (`python -m sglang.launch_server`) as a process group the suite owns.
+
+`SGLangServer.start` writes the tiny hybrid-SWA model for the engine configuration, launches the
+server from an SGLang venv in a session of its own (the tokenizer manager, the scheduler and the
+detokenizer it spawns share that process group), and returns once `/ready` answers 200 (not
+`/health`, which runs a generation of its own through the memory path under test). `stop`
+ends the whole group, however the run ends (the shared safety net calls it at exit, on SIGTERM
+and on Ctrl-C): no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from canaries.runtime import safety
+from canaries.server.launch import ServerLaunch
+from canaries.server.model import ServerModel
+from canaries.server.scheduler_plugin import EVENT_LOG_ENV, PROGRESS_ENV
+from engine_stub.config import EngineConfig
+
+__all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
+READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not answer /ready in time; the message ends with its log tail."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    """Wait until no process of group `pgid` is left (a SIGKILLed scheduler takes a moment to go,
+    and only its new parent reaps it); False if some still is after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+class SGLangServer:
+    """One SGLang server for one engine configuration."""
+
+    def __init__(self, python: str | os.PathLike, config: EngineConfig, *, device: str = "cpu",
+                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+        self.python = str(python)
+        self.config = config
+        self.device = device
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.event_log: Path | None = None
+        self.progress_path: Path | None = None
+        self.base_url = ""
+        self.launch: ServerLaunch | None = None
+        self.started_s = 0.0
+        self._log_file = None
+        self._lock = threading.Lock()
+        self._exit_code: int | None = None
+
+    def start(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None = None) -> str:
+        """Launch the server and return its base URL once /ready answers 200.
+
+        Its scheduler writes the suite's events to `run_dir/events.jsonl` (the plugin);
+        `extra_env` adds variables (SGLang's own perturbation knobs)."""
+        if self.proc is not None:
+            raise RuntimeError("this server was already started")
+        run_dir = Path(run_dir).resolve()
+        model_dir = ServerModel.of(self.config).write(run_dir / "model")
+        self.launch = ServerLaunch(self.config, model_dir, _free_port(), self.device)
+        self.log_path = run_dir / "server.log"
+        self.event_log = run_dir / "events.jsonl"
+        self.progress_path = run_dir / "progress"
+        env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
+               EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path)}
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        safety.install_sigterm_handler()
+        started = time.monotonic()
+        self.proc = subprocess.Popen(self.launch.argv(self.python), stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, env=env, cwd=run_dir,
+                                     start_new_session=True)
+        safety.register(self)
+        self.base_url = f"http://127.0.0.1:{self.launch.port}"
+        deadline = started + self.ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"sglang.launch_server exited with {self.proc.returncode} before "
+                                       f"it served:\n{self.log_tail()}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(self.base_url + "/ready", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"sglang.launch_server did not answer /ready within "
+                                       f"{self.ready_timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        self.started_s = time.monotonic() - started
+        return self.base_url
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the launcher, wait up to `timeout`, then SIGKILL its whole group; the exit code."""
+        with self._lock:
+            proc = self.proc
+            if proc is None:
+                return None
+            try:
+                if proc.poll() is None:
+                    # The launcher alone: it drains and stops its scheduler and detokenizer
+                    # (a SIGTERM to them too reads to SGLang as a crashed scheduler).
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(timeout)
+                    except subprocess.TimeoutExpired:
+                        pass
+                # The scheduler and detokenizer may outlive the launcher: the group goes too.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+                _wait_group_gone(proc.pid, 10.0)
+                self._exit_code = proc.returncode
+            finally:
+                if self._log_file is not None:
+                    with contextlib.suppress(OSError):
+                        self._log_file.close()
+                    self._log_file = None
+                safety.unregister(self)
+            return self._exit_code
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServerUnsupported(RuntimeError):
+    """The scenario asks for something this runtime cannot do on SGLang's server; the message
+    names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
+
+
+# Engine knobs of a spec the server does not take: the harness's lockstep gate (SGLang's
+# scheduler admits as requests arrive), the device (the runtime's own), the memory backend.
+_HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device", "memory")
+
+
+def unsupported_kinds(perturbations: list[dict]) -> list[str]:
+    """Why each perturbation of a spec cannot be placed in SGLang's scheduler yet (empty: all can)."""
+    from engine_stub.perturb.kinds import KINDS
+    from engine_stub.perturb.sites import Site
+
+    reasons = []
+    for index, spec in enumerate(perturbations):
+        kind = KINDS.get(spec.get("kind"))
+        if kind is None:
+            reasons.append(f"perturbations[{index}]: unknown kind {spec.get('kind')!r}")
+        elif kind.site != Site.BEFORE_STEP:
+            reasons.append(f"perturbations[{index}]: kind {kind.name} acts at {kind.site.value}, "
+                           "a site with no hook in SGLang's scheduler yet (only before_step kinds run there)")
+    return reasons
+
+
+class SGLangServerRuntime:
+    """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
+    (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
+    armed in its scheduler process, its events from its own log (canaries/server/)."""
+
+    start_mode = "fresh"
+
+    def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
+                 engine_root: str | os.PathLike | None = None, device: str = "cpu", **_: object) -> None:
+        if engine_root is not None:
+            raise ServerUnsupported("the sglang-server runtime runs SGLang's code: another engine_stub "
+                                    "(a catalogue mutant, another commit) does not apply")
+        if python is None:
+            from canaries.releases.venvs import find_python
+
+            python = find_python("0.5.23", server=True)
+        if python is None:
+            raise ServerUnsupported("no venv runs SGLang's server here: bash scripts/make-sglang-venv.sh --server")
+        self.python = str(python)
+        self.device = device
+        # The runner's timeout is sized for our engine (seconds); a server start is mostly imports.
+        self.ready_timeout = max(ready_timeout, READY_TIMEOUT_S)
+        self.server: SGLangServer | None = None
+        self.exit_code: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None and self.server.proc is not None and self.server.proc.poll() is None
+
+    def start(self, spec_path: str | os.PathLike, run_dir: str | os.PathLike) -> str:
+        import json
+
+        from engine_stub.config import config_from_sources
+
+        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+        reasons = unsupported_kinds(list(spec.get("perturbations") or []))
+        if reasons:
+            raise ServerUnsupported("; ".join(reasons))
+        knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
+        config = config_from_sources(overrides=knobs, environ={})
+        self.server = SGLangServer(self.python, config, device=self.device, ready_timeout=self.ready_timeout)
+        extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
+        try:
+            return self.server.start(run_dir, extra)
+        except ServerStartError:
+            if not self._crashed():
+                raise
+            # Its scheduler died by one of its own checks before it served: that is the engine's
+            # verdict (its events say which), not the harness's; every request will find it dead.
+            return self.server.base_url
+
+    def _crashed(self) -> bool:
+        import json
+
+        log = self.server.event_log if self.server is not None else None
+        if log is None or not log.is_file():
+            return False
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                if json.loads(line).get("kind") == "crash":
+                    return True
+        return False
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.server is None:
+            return None
+        graceful = self.running
+        self.exit_code = self.server.stop(timeout)
+        if graceful and self.exit_code == 0 and self.server.event_log is not None:
+            # It served until asked to stop and stopped cleanly: the engine's own shutdown record.
+            with open(self.server.event_log, "a", encoding="utf-8") as log:
+                log.write('{"kind": "shutdown", "step": -1, "by": "harness"}\n')
+        return self.exit_code
+
+    def progress(self) -> tuple[int, bool] | None:
+        """(the scheduler's step count, whether the server is alive): the watchdog's probe. A
+        dead server answers nothing (None); one that has run no batch yet is at step 0."""
+        if not self.running:
+            return None
+        path = self.server.progress_path
+        try:
+            return int(path.read_text(encoding="ascii").strip() or 0), True
+        except (OSError, ValueError):
+            return 0, True
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self.server.log_tail(lines) if self.server is not None else ""

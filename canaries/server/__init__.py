@@ -1,0 +1,1 @@
+"""SGLang's real server as the system under test: its launch, its CPU stand-ins, its model."""

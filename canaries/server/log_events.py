@@ -1,0 +1,154 @@
+"""SGLang's own log lines, read as the suite's events, under the detector names the native engine
+uses, so that a scenario's `expect` means the same on both runtimes.
+
+One function per line SGLang writes (0.5.23, `python/sglang/srt/`), each returning the events the
+verdict rules read (`invariant_firing`, `canary_violation`, `crash`, `idle_check`) or none;
+`events_of_line` tries them all. The table in docs/sglang-server.md lists which line becomes which
+detector. A KV-canary reason or an invariant our catalogue lacks keeps SGLang's own name, so it
+shows up in reports as fired instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine_stub.detectors import detector
+
+__all__ = ["CANARY_REASONS", "events_of_line", "events_of_record", "landing_of_line"]
+
+# kv_canary/runner/violation_reporter.py `_format_violation` (a format SGLang's tests freeze):
+# `kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_chain_hash+verify_position
+# slot_idx=1 position=0 stored_token=10 expected_token=-1 stored_chain_hash=0x.. expected_aux=0x..`
+_CANARY_RE = re.compile(
+    r"kv_canary violation: launch_tag=(?P<tag>\S+) fail_reason=(?P<reasons>\S+) slot_idx=(?P<slot>-?\d+) "
+    r"position=(?P<position>-?\d+) stored_token=(?P<stored>-?\d+) expected_token=(?P<expected>-?\d+)")
+# SGLang's FailReason bits (kernels/ops/kv_canary/consts.py), labelled without `_mismatch`, and
+# the engine's reason each one is.
+CANARY_REASONS = {
+    "verify_chain_hash": "verify_chain_hash",
+    "verify_position": "verify_position",
+    "verify_real_kv_hash": "verify_real_kv_hash",
+    "write_token": "write_token",
+    "write_position": "write_position",
+    "verify_token": "verify_token",
+}
+# utils/invariants.py `_CheckReporter.report`: `invariant-check [name@rank0]: +k hit(s), T total. msg`
+_HIT_RE = re.compile(r"invariant-check \[(?P<name>[^@\]]+)@rank\d+\]: \+(?P<new>\d+) hit\(s\), "
+                     r"(?P<total>\d+) total\.\s?(?P<msg>.*)")
+# The strict path (and FATAL_UNCONTAINABLE at any level): `invariant-check FAILED [name]: msg`.
+_FAILED_RE = re.compile(r"invariant-check FAILED \[(?P<name>[^\]]+)\]:?\s?(?P<msg>.*)")
+# managers/scheduler_components/invariant_checker.py: the idle memory check.
+_LEAK_RE = re.compile(r"(?P<pool>[\w ]+?) memory leak detected!")
+# Which idle ledger each of SGLang's leak reports is.
+IDLE_LEDGERS = {"req_to_token_pool": "idle.req_rows_ledger", "pool": "idle.full_ledger"}
+
+
+def _bucket(name: str) -> str:
+    try:
+        return detector(name).bucket
+    except KeyError:  # one of SGLang's invariants the engine lacks: still reported, as SGLang's
+        return "UNKNOWN"
+
+
+def canary_events(line: str, step: int) -> list[dict]:
+    match = _CANARY_RE.search(line)
+    if match is None:
+        return []
+    tag = match["tag"]  # HEAD|TAIL|SWEEP _ K|V _ FULL|SWA
+    parts = tag.split("_")
+    return [{"kind": "canary_violation", "reason": CANARY_REASONS.get(reason, reason),
+             "group": parts[-1] if len(parts) == 3 else tag, "phase": parts[0],
+             "slot": int(match["slot"]), "position": int(match["position"]),
+             "stored": int(match["stored"]), "expected": int(match["expected"]), "step": step,
+             "launch_tag": tag}
+            for reason in match["reasons"].split("+") if reason != "none"]
+
+
+def hit_events(line: str, step: int, level: str) -> list[dict]:
+    match = _HIT_RE.search(line)
+    if match is None:
+        return []
+    name = match["name"]
+    return [{"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+             "site": "sglang", "msg": match["msg"].strip(), "new_hits": int(match["new"]),
+             "total_hits": int(match["total"]), "crashed": False, "step": step}]
+
+
+def failed_events(line: str, step: int, level: str) -> list[dict]:
+    match = _FAILED_RE.search(line)
+    if match is None:
+        return []
+    name = match["name"]
+    firing = {"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+              "site": "sglang", "msg": match["msg"].strip(), "new_hits": 1, "total_hits": 1,
+              "crashed": True, "step": step}
+    crash = {"kind": "crash", "cause": "invariant", "error": line.strip()[:2000], "invariant": name,
+             "step": step}
+    return [firing, crash]
+
+
+def leak_events(line: str, step: int, level: str) -> list[dict]:
+    match = _LEAK_RE.search(line)
+    if match is None:
+        return []
+    pool = match["pool"].strip().split()[-1]
+    name = IDLE_LEDGERS.get(pool, f"idle.{pool}_ledger")
+    return [{"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
+             "site": "sglang idle check", "msg": line.strip()[:500], "new_hits": 1, "total_hits": 1,
+             "crashed": False, "step": step}]
+
+
+def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
+    """The events one line of SGLang's log reports (`step`: the scheduler's forward count then)."""
+    found = canary_events(line, step)
+    if found:
+        return found
+    for parse in (hit_events, failed_events, leak_events):
+        found = parse(line, step, level)
+        if found:
+            return found
+    return []
+
+
+# kv_canary/perturb: `kv_canary perturb req_to_token: req_pool_idx=4 position=2 original_slot=3
+# new_slot=1`, one line per entry SGLang's own perturbation rewrote.
+_R2T_PERTURB_RE = re.compile(r"kv_canary perturb req_to_token: req_pool_idx=(?P<row>\d+) position=(?P<position>\d+) "
+                             r"original_slot=(?P<before>-?\d+) new_slot=(?P<after>-?\d+)")
+
+
+def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
+    """The landing one of SGLang's own perturbation lines records (the scenario's perturbation
+    `index`), with its damage in the engine's terms, or None."""
+    match = _R2T_PERTURB_RE.search(line)
+    if match is None:
+        return None
+    row, position = int(match["row"]), int(match["position"])
+    before, after = int(match["before"]), int(match["after"])
+    return {"kind": "perturbation_landed", "index": index, "perturbation": "corrupt_req_to_token",
+            "site": "sglang:kv_canary_perturb", "step": step, "row": row, "position": position,
+            "before": before, "after": after,
+            "damage": [{"kind": "req_to_token", "position": position, "row": row, "before": before,
+                        "after": after, "detail": "sglang_perturb"}]}
+
+
+# managers/scheduler.py run_scheduler_process: the scheduler's last words before it dies.
+_SCHEDULER_DIED = "Scheduler hit an exception"
+
+
+def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
+    """The events of one log record (its lines, traceback included). A record saying the
+    scheduler died ends with a `crash`: the invariant whose failure killed it (an idle leak report
+    at strict too, as our engine's idle ledgers crash there), else the exception's last line."""
+    events = [event for line in text.splitlines() for event in events_of_line(line, step=step, level=level)]
+    if _SCHEDULER_DIED not in text or any(e["kind"] == "crash" for e in events):
+        return events
+    firings = [e for e in events if e["kind"] == "invariant_firing"]
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    if firings:
+        for firing in firings:
+            firing["crashed"] = True
+        events.append({"kind": "crash", "cause": "invariant", "invariant": firings[-1]["invariant"],
+                       "error": last[:2000], "step": step})
+    else:
+        events.append({"kind": "crash", "cause": "error", "error": last[:2000], "step": step})
+    return events

@@ -1,0 +1,60 @@
+"""The output oracle of the sglang-server runtime: the same server's unperturbed answers.
+
+Our engine's oracle recomputes each answer with the engine's own model; SGLang's model is its
+own, so the reference is SGLang's server itself, clean (the scenario's engine section, no
+perturbation), given the same requests. A clean answer is computed once per engine section and
+plan and kept on disk (`<report dir>/.server-oracle/<key>.json`), so a library run pays one clean
+server per configuration, not one per scenario.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServerOracle", "mismatches"]
+
+
+def mismatches(reference: dict[str, list[int]], responses: Sequence[dict]) -> list[dict]:
+    """Answers that differ from the clean server's for the same rid (a failed request is the
+    verdict's business, not the oracle's)."""
+    found = []
+    for response in responses:
+        got, want = response.get("output_ids"), reference.get(response["rid"])
+        if got is None or want is None:
+            continue
+        got = list(got)
+        if got != want:
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                         min(len(got), len(want)))
+            found.append({"rid": response["rid"], "first_diff": first, "expected": want, "got": got})
+    return found
+
+
+class ServerOracle:
+    """Clean answers of SGLang's server for one engine section and plan, computed at most once."""
+
+    def __init__(self, cache_dir: Path, engine: dict[str, Any], plan: Sequence[Any], release: str) -> None:
+        key_source = json.dumps({"engine": engine, "release": release,
+                                 "plan": [[p.rid, list(p.prompt), p.max_new_tokens] for p in plan]},
+                                sort_keys=True, default=str)
+        self.key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
+        self.path = Path(cache_dir) / f"{self.key}.json"
+
+    def reference(self, compute: Callable[[], list[dict]]) -> dict[str, list[int]]:
+        """The clean answers by rid: from the cache, else `compute()` (a clean run's responses)."""
+        if self.path.is_file():
+            return {rid: list(ids) for rid, ids in json.loads(self.path.read_text(encoding="utf-8")).items()}
+        responses = compute()
+        failed = [r["rid"] for r in responses if r.get("output_ids") is None]
+        if failed:
+            raise RuntimeError(f"the clean server did not answer {', '.join(failed[:5])}: no oracle")
+        answers = {r["rid"]: list(r["output_ids"]) for r in responses}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(answers), encoding="utf-8")
+        tmp.replace(self.path)
+        return answers

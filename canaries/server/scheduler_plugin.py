@@ -1,0 +1,196 @@
+"""The suite inside SGLang's scheduler process: SGLang's own log records become the suite's events,
+each stamped with the scheduler's step.
+
+`install()` runs in every process of a server the suite launches (the plugin's sitecustomize),
+and acts only where SGLang builds its `Scheduler`: it keeps that object (its `forward_ct` is the
+step) and adds a handler to the `sglang` logger that passes every record through
+`log_events.events_of_line` (detectors) and `landing_of_line` (SGLang's own perturbations), and
+appends what they report to the event log `CANARY_SERVER_EVENT_LOG` names, one JSON object a line,
+flushed and fsynced before the record's own handlers run on (a crash that follows loses nothing).
+Nothing here raises into SGLang: a handler that fails is logging's own error.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+
+from canaries.server.log_events import events_of_record, landing_of_line
+
+__all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
+
+EVENT_LOG_ENV = "CANARY_SERVER_EVENT_LOG"
+# The run's spec (spec.json: engine knobs, perturbations, seed): the project's own kinds, armed in
+# the scheduler process at their triggers.
+SPEC_ENV = "CANARY_SERVER_SPEC"
+# The index, in the scenario, of the perturbation SGLang's own req_to_token knob carries out.
+PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
+# Where the scheduler's step count goes after every batch (the harness's watchdog reads it: a
+# hang is no progress, not a slow CPU).
+PROGRESS_ENV = "CANARY_SERVER_PROGRESS"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
+
+
+class EventLogHandler(logging.Handler):
+    """SGLang's log records as the suite's events, appended to one JSONL file."""
+
+    def __init__(self, path: str, scheduler: object) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+        self._scheduler = weakref.ref(scheduler)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._level = _LEVELS.get(os.environ.get("SGLANG_INVARIANT_CHECK", "0"), "OFF")
+        index = os.environ.get(PERTURB_INDEX_ENV)
+        self._perturb_index = int(index) if index not in (None, "") else None
+        self._landings = 0
+
+    def step(self) -> int:
+        scheduler = self._scheduler()
+        return int(getattr(scheduler, "forward_ct", 0)) if scheduler is not None else 0
+
+    def write(self, event: dict) -> None:
+        with self._lock:
+            self._seq += 1
+            event = {"seq": self._seq, "ts": time.time(), **event}
+            self._file.write(json.dumps(event, default=str) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+        super().close()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        step = self.step()
+        if self._perturb_index is not None:
+            for line in text.splitlines():
+                landing = landing_of_line(line, step=step, index=self._perturb_index)
+                if landing is not None:
+                    self._landings += 1
+                    self.write({**landing, "landing": self._landings})
+        for event in events_of_record(text, step=step, level=self._level):
+            self.write(event)
+
+
+def _watch(scheduler_class: type) -> None:
+    original = scheduler_class.__init__
+    if getattr(original, "__canary_watched__", False):
+        return
+
+    def init(self, *args, **kwargs):
+        # Attached first: what SGLang logs while it builds its pools and caches counts too.
+        handler = EventLogHandler(os.environ[EVENT_LOG_ENV], self)
+        logging.getLogger("sglang").addHandler(handler)
+        handler.write({"kind": "engine_start", "step": 0, "runtime": "sglang-server",
+                       "config": {"invariant_check": handler._level.lower()}})
+        original(self, *args, **kwargs)
+        if os.environ.get(SPEC_ENV):
+            _arm(self, os.environ[SPEC_ENV], handler.write)
+
+    init.__canary_watched__ = True
+    scheduler_class.__init__ = init
+    if hasattr(scheduler_class, "run_batch") and hasattr(scheduler_class, "process_batch_result"):
+        _hook_steps(scheduler_class)
+
+
+def _hook_steps(scheduler_class: type) -> None:
+    """Before each batch runs: the armed perturbations' before_step site; after its result:
+    the finished requests the request_finish trigger counts."""
+    run_batch = scheduler_class.run_batch
+    process_batch_result = scheduler_class.process_batch_result
+
+    def run_batch_perturbed(self, batch, *args, **kwargs):
+        armed = getattr(self, "_canary_perturber", None)
+        if armed is not None:
+            from engine_stub.perturb.sites import BeforeStep
+
+            perturber, facade = armed
+            perturber.at(BeforeStep(), facade)
+        result = run_batch(self, batch, *args, **kwargs)
+        _note_progress(int(getattr(self, "forward_ct", 0)))
+        return result
+
+    def process_batch_result_counted(self, batch, *args, **kwargs):
+        out = process_batch_result(self, batch, *args, **kwargs)
+        armed = getattr(self, "_canary_perturber", None)
+        if armed is not None and batch is not None:
+            armed[1].finished_requests += sum(1 for r in batch.reqs if r.finished())
+        return out
+
+    scheduler_class.run_batch = run_batch_perturbed
+    scheduler_class.process_batch_result = process_batch_result_counted
+
+
+_progress_fd: int | None = None
+
+
+def _note_progress(step: int) -> None:
+    """Overwrite the progress file with the step count (one fixed-width line, no reader sees a
+    torn number)."""
+    global _progress_fd
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return
+    if _progress_fd is None:
+        _progress_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.pwrite(_progress_fd, f"{step:>20}\n".encode(), 0)
+
+
+def _arm(scheduler: object, spec_path: str, write) -> None:
+    """The scenario's perturbations, on the engine's own Perturber, over SGLang's objects."""
+    from canaries.server.sglang_view import SchedulerFacade, SGLangView
+    from engine_stub.perturb.loader import load_engine_scenario
+
+    knobs, perturber = load_engine_scenario(spec_path)
+    if perturber is None:
+        return
+    window, page_size = int(knobs.get("window", 16)), int(knobs.get("page_size", 1))
+    facade = SchedulerFacade(scheduler, window, page_size, write)
+    perturber._view = SGLangView(scheduler, window, page_size)  # the kinds' view: SGLang's objects
+    scheduler._canary_perturber = (perturber, facade)
+
+
+class _SchedulerFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of SGLang's scheduler module so that its
+    `Scheduler` is watched as soon as the module has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != SCHEDULER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_watch(module):
+            exec_module(module)
+            _watch(module.Scheduler)
+
+        loader.exec_module = exec_and_watch
+        return spec
+
+
+def install() -> None:
+    """Watch SGLang's scheduler where an event log is asked for (idempotent)."""
+    if not os.environ.get(EVENT_LOG_ENV):
+        return
+    module = sys.modules.get(SCHEDULER_MODULE)
+    if module is not None:
+        _watch(module.Scheduler)
+    elif not any(isinstance(f, _SchedulerFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SchedulerFinder())

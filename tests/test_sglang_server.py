@@ -1,0 +1,49 @@
+"""SGLang's own server as the system under test, on this machine's CPU (SGLang 0.5.23, from the
+venv `bash scripts/make-sglang-venv.sh --server` builds; skipped, naming it, where there is none).
+
+SGLang's own seed case (`test_self_e2e_perturb_req_to_token`'s situation): a req_to_token entry
+pointed at another live slot, with SGLang's invariants and its strict idle check off. On the real
+server the project's kind lands on SGLang's own table inside its scheduler process, SGLang's KV
+canary reports it, and the run is DISABLED_AS_DECLARED; every process of the server is gone after.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from canaries.releases.venvs import find_python
+from canaries.runner import run_scenario
+from canaries.scenario import load_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _require_server_venv() -> None:
+    if find_python("0.5.23", server=True) is None:
+        pytest.skip("no server venv with sglang 0.5.23: run bash scripts/make-sglang-venv.sh --server")
+
+
+def _processes_under(path: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in ps.splitlines() if str(path) in line]
+
+
+def test_seed_case_on_the_real_server_is_disabled_as_declared_and_caught_by_its_canary(tmp_path: Path) -> None:
+    _require_server_venv()
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "corrupt-r2t-invariants-off.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server")
+    assert record.verdict == "DISABLED_AS_DECLARED", record.reason
+    assert "kv_canary.verify_chain_hash" in record.reason
+    landed = record.to_dict()["landed"]
+    assert landed and landed[0]["perturbation"] == "corrupt_req_to_token" and landed[0]["rid"] == "r0000"
+    log = (tmp_path / "run" / "server.log").read_text(encoding="utf-8", errors="replace")
+    # The full pool is the engine section's; with the radix cache off SGLang 0.5.23 sizes the SWA
+    # pool from its per-request cap, not from the ratio (docs/sglang-server.md).
+    assert re.search(r"swa size: \d+, full size: 2048", log)
+    assert "kv_canary violation: launch_tag=" in log
+    assert _processes_under(tmp_path) == []
