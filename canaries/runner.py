@@ -227,6 +227,10 @@ def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path
     (canaries/server/oracle.py), cached beside the run's report."""
     if not (scenario.expect.clean and workload.temperature == 0 and responses):
         return _FixedOracle([], None)
+    from canaries.verdict.record import detector_of
+
+    if any(detector_of(e) is not None or e.get("kind") == "crash" for e in _read_events(run_dir / "events.jsonl")):
+        return _FixedOracle([], None)  # a detector fired or the engine died: no clean run can pass
     from canaries.runtime.sglang_server import SGLangServerRuntime
     from canaries.server.oracle import ServerOracle, mismatches
 

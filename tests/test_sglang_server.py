@@ -47,3 +47,21 @@ def test_seed_case_on_the_real_server_is_disabled_as_declared_and_caught_by_its_
     assert re.search(r"swa size: \d+, full size: 2048", log)
     assert "kv_canary violation: launch_tag=" in log
     assert _processes_under(tmp_path) == []
+
+
+def test_request_level_regression_fails_the_real_server_where_memory_sglang_cannot_reach_it(tmp_path: Path) -> None:
+    """`release-leaks-last-slot` edits SGLang's `release_kv_cache` (mem_cache/common.py), which only
+    SGLang's own scheduler calls: the clean control on the real server is a FALSE_ALARM, SGLang's
+    strict idle check reporting the leaked slot (the unmodified release is CLEAN there; the same
+    patch under `memory: sglang` is CLEAN too, as that path never runs)."""
+    _require_server_venv()
+    from canaries.releases.patches import patched_interpreter
+
+    python, diff = patched_interpreter(find_python("0.5.23", server=True), "0.5.23", ("release-leaks-last-slot",),
+                                       tmp_path / "patched")
+    assert "owned_kv_len - 1" in diff
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "clean-page1-noradix.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server", engine_python=str(python))
+    assert record.verdict == "FALSE_ALARM", record.reason
+    assert "idle.full_ledger" in record.reason
+    assert _processes_under(tmp_path) == []
