@@ -3,19 +3,19 @@
 The idle ledgers compare totals; the census compares owners. It builds, from the allocator's
 free lists, the rows of the requests that hold memory (running ones and the one being prefilled
 in chunks), the radix cache and the padding page, the owner count of every full and SWA slot,
-and checks six rules (GUARD, site `census`):
+and checks five rules (GUARD, site `census`):
 
 - `census.slot_owner`: every full and every SWA slot has exactly one owner. Full: the free list,
   a request's row (its own part, `[cache_protected_len, kv_len)`, whole pages), the radix cache,
   the padding page. SWA: the free list, the peer of one SWA-live full slot (a request's positions
   at or past its window frontier, a live radix node), the padding page.
-- `census.free_unmapped`: every full slot on the free list has no SWA peer.
-- `census.peer_live`: a held full slot has an SWA peer exactly when it is SWA-live: a request's
-  own positions at or past its frontier, a live radix node's slots (a tombstone's have none).
-  With `slot_owner` on the SWA side, the mapping is a bijection between the live full slots and
-  the SWA slots not free.
+- `census.peer_live`: a full slot has an SWA peer exactly when it is SWA-live: a request's own
+  positions at or past its frontier, a live radix node's slots; a slot on the free list, a
+  tombstone's and a window-evicted one have none. With `slot_owner` on the SWA side, the mapping
+  is a bijection between the live full slots and the SWA slots not free.
 - `census.lock_count`: every radix node's full and SWA lock counts are those the requests' lock
-  handles hold on it (nothing else locks a node).
+  handles hold on it (nothing else locks a node), and the prefix a request's next window reads
+  is SWA-locked by its handle (its SWA part not released early; on our tree, covering it).
 - `census.ledger`: the ledgers' terms equal the census: each pool's `available_size` is its free
   list's pages, the tree's evictable + protected sizes are the slots it holds (full) and holds
   live (SWA), and the request rows are the free rows plus one per holding request, each once.
@@ -56,21 +56,19 @@ __all__ = ["CENSUS_RULES", "CensusReport", "MemoryCensus"]
 SLOT_OWNER = Invariant("census.slot_owner", Bucket.GUARD, IsTrue(), site="census",
                        description="every full and SWA slot has exactly one owner (free list, a "
                                    "request's row, the radix cache, the padding page)")
-FREE_UNMAPPED = Invariant("census.free_unmapped", Bucket.GUARD, IsTrue(), site="census",
-                          description="every full slot on the free list has no SWA peer")
 PEER_LIVE = Invariant("census.peer_live", Bucket.GUARD, IsTrue(), site="census",
-                      description="a held full slot has an SWA peer exactly when it is SWA-live "
-                                  "(in a request's window part, in a live radix node)")
+                      description="a full slot has an SWA peer exactly when it is SWA-live (in a "
+                                  "request's window part, in a live radix node; never a free one)")
 LOCK_COUNT = Invariant("census.lock_count", Bucket.GUARD, IsTrue(), site="census",
                        description="every radix node's lock counts equal the locks the requests "
-                                   "hold on it")
+                                   "hold on it, and what a window reads of its prefix is SWA-locked")
 LEDGER = Invariant("census.ledger", Bucket.GUARD, IsTrue(), site="census",
                    description="the ledgers' terms equal the census (free lists, tree sizes, "
                                "request rows)")
 ROW_MATCHES = Invariant("census.row_matches", Bucket.GUARD, IsTrue(), site="census",
                         description="a request's row below cache_protected_len names its locked "
                                     "prefix, and the part its window reads is SWA-live")
-CENSUS_RULES = (SLOT_OWNER, FREE_UNMAPPED, PEER_LIVE, LOCK_COUNT, LEDGER, ROW_MATCHES)
+CENSUS_RULES = (SLOT_OWNER, PEER_LIVE, LOCK_COUNT, LEDGER, ROW_MATCHES)
 
 
 @dataclass
@@ -172,8 +170,7 @@ class MemoryCensus:
         tree_slots = tree.held_slots().to(torch.int64) if tree is not None else self._empty()
         tree_peers = tree.held_swa_slots().to(torch.int64) if tree is not None else self._empty()
         self._slot_owner(report, holders, full_free, swa_free, tree_slots, tree_peers, mapping)
-        self._free_unmapped(report, full_free, mapping)
-        self._peer_live(report, holders, mapping)
+        self._peer_live(report, holders, full_free, mapping)
         self._lock_count(report, holders)
         self._ledger(report, holders, full_free, swa_free, tree_slots, tree_peers)
         self._row_matches(report, holders, mapping)
@@ -223,14 +220,12 @@ class MemoryCensus:
             ids = torch.arange(counts.numel(), dtype=torch.int64, device=self.device)
             report.add(SLOT_OWNER, counts == 1, f"{pool} pool: a slot with no owner or two", slots=ids)
 
-    def _free_unmapped(self, report: CensusReport, full_free: torch.Tensor, mapping: torch.Tensor) -> None:
-        # A hole names page 0, whose slots are never mapped.
-        slots = _expand(full_free.clamp(min=0), self.page, self._offsets)
-        report.add(FREE_UNMAPPED, torch.take(mapping, slots) == 0, "a free full slot has an SWA peer",
-                   slots=slots)
-
-    def _peer_live(self, report: CensusReport, holders: list[Req], mapping: torch.Tensor) -> None:
+    def _peer_live(self, report: CensusReport, holders: list[Req], full_free: torch.Tensor,
+                   mapping: torch.Tensor) -> None:
         tree = self.scheduler.tree_cache
+        # A hole names page 0, whose slots are never mapped.
+        free = _expand(full_free.clamp(min=0), self.page, self._offsets)
+        report.add(PEER_LIVE, torch.take(mapping, free) == 0, "a free full slot has an SWA peer", slots=free)
         for req in holders:
             lo, hi = req.cache_protected_len, req.kv_len
             slots = self._row(req, lo, hi)
@@ -256,6 +251,7 @@ class MemoryCensus:
             union = torch.unique(torch.cat(held)).numel() if held else 0
             report.add(LOCK_COUNT, torch.tensor(tree.full_protected_size() == union),
                        f"full protected size {tree.full_protected_size()} != {union} locked slots")
+            self._window_locked(report, holders)
             return
         expected: dict[int, list[int]] = {}
         for lock in locks:
@@ -278,6 +274,22 @@ class MemoryCensus:
                              f"held {want[0]}, {want[1]}")
         wrong += [f"locked node {node_id} is not in the tree" for node_id in expected]
         report.add(LOCK_COUNT, torch.tensor(not wrong), "; ".join(wrong[:3]))
+        self._window_locked(report, holders)
+
+    def _window_locked(self, report: CensusReport, holders: list[Req]) -> None:
+        """The prefix a request's next window reads stays SWA-locked (else the tree may tombstone
+        it under the request): the lock's SWA part is not released and, on our tree, covers it
+        (SGLang's lock records no token count)."""
+        for req in holders:
+            lock, protected = req.lock, req.cache_protected_len
+            reads = protected - max(req.kv_len - self.scheduler.window + 1, 0)
+            if lock is None or reads <= 0:
+                continue
+            locked = getattr(lock, "swa_locked_tokens", None)
+            covered = not lock.swa_released and (locked is None or locked >= reads)
+            report.add(LOCK_COUNT, torch.tensor(covered),
+                       f"request {req.rid}: its window reads {reads} prefix tokens its lock does not "
+                       "hold SWA-locked")
 
     def _ledger(self, report: CensusReport, holders: list[Req], full_free: torch.Tensor,
                 swa_free: torch.Tensor, tree_slots: torch.Tensor, tree_peers: torch.Tensor) -> None:
