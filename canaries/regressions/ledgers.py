@@ -58,3 +58,12 @@ regression(
            "copy-paste slip): admission and tree eviction plan on a pool that is not there",
     caught_by=("clean-page1-noradix",),
 )
+regression(
+    name="ledgers.census-never-judged", area="ledgers", file="engine_stub/census.py",
+    old="                    expect(inv, ok, msg, slots=slots)\n",
+    new="                    pass  # evaluated and summarised, never judged\n",
+    models="the memory census is computed (and summarised in the idle event) but its rules are "
+           "never handed to expect: a slot with no owner or two, a stale peer, a lock no request "
+           "holds, a wrong ledger term fire nothing, at idle or mid-run",
+    caught_by=("leak-request-census-idle",),
+)
