@@ -235,3 +235,18 @@ def test_window_reading_a_prefix_whose_swa_lock_went_back_trips_lock_count(tmp_p
     assert _failures(sched)["census.lock_count"] == 0
     sched.tree_cache.dec_swa_lock_only(req.lock)  # handle and nodes agree, but too early
     assert _fired(sched, "census.lock_count") == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mid_run_census_adds_no_device_sync(tmp_path: Path, page_size: int) -> None:
+    from engine_stub.synccheck import count_syncs
+
+    assert count_syncs(lambda: torch.ones(3).sum().item()).total == 1, "the detector must see a planted sync"
+    sched = _mid_run(tmp_path, page_size=page_size)
+
+    def census() -> None:
+        with override_level(InvariantCheckLevel.WARN):
+            sched.census.check().expect_all()
+
+    check = count_syncs(census)
+    assert check.total == 0, check.summary()
