@@ -71,6 +71,21 @@ CATALOGUE: tuple[Detector, ...] = (
              "free_swa (page_size 1) met a slot whose SWA peer is already released"),
     Detector("swa.peer_released", "GUARD", "SWATokenToKVPoolAllocator.free_full",
              "free_full met a slot whose SWA peer is still mapped (the peer would leak)"),
+    # ---- the memory census (engine_stub/census.py): at idle, and mid-run in STRICT mode
+    Detector("census.ledger", "GUARD", "census",
+             "the ledgers' terms equal the census (free lists, tree sizes, request rows)"),
+    Detector("census.lock_count", "GUARD", "census",
+             "every radix node's lock counts equal the locks the requests hold on it, and what a "
+             "window reads of its prefix is SWA-locked"),
+    Detector("census.peer_live", "GUARD", "census",
+             "a full slot has an SWA peer exactly when it is SWA-live (in a request's window part, "
+             "in a live radix node; never a free one)"),
+    Detector("census.row_matches", "GUARD", "census",
+             "a request's row below cache_protected_len names its locked prefix, and the part its "
+             "window reads is SWA-live"),
+    Detector("census.slot_owner", "GUARD", "census",
+             "every full and SWA slot has exactly one owner (free list, a request's row, the radix "
+             "cache, the padding page)"),
     # ---- the idle-tick ledgers (engine_stub/idle_check.py)
     Detector("idle.answer_ledger", "GUARD", "idle_tick",
              "an idle engine owes no answer: every request it took was answered"),

@@ -1,9 +1,11 @@
-"""Idle-tick checks: the conservation ledgers and the radix cache's sanity, as invariants.
+"""Idle-tick checks: the conservation ledgers, the radix cache's sanity and the memory census,
+as invariants.
 
 Runs only when nothing is running or waiting. For the full pool, the SWA pool and the request
-rows: `available + evictable + protected == total`. Their own switch,
-`strict_mem_check_during_idle`, decides whether a failed ledger crashes (STRICT) or is counted
-and logged (WARN), whatever the general invariant level.
+rows: `available + evictable + protected == total`; then the census (engine_stub/census.py: one
+owner per slot, the mapping, the locks, the ledgers' terms). Their own switch,
+`strict_mem_check_during_idle`, decides whether a failure crashes (STRICT) or is counted and
+logged (WARN), whatever the general invariant level.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine_stub.invariants import (
 )
 
 if TYPE_CHECKING:
+    from engine_stub.census import MemoryCensus
     from engine_stub.scheduler import Scheduler
 
 __all__ = ["IdleChecker"]
@@ -37,8 +40,9 @@ RADIX_SANITY = Invariant("idle.radix_sanity", Bucket.GUARD, IsTrue(), site="idle
 
 
 class IdleChecker:
-    def __init__(self, scheduler: Scheduler, *, strict: bool) -> None:
+    def __init__(self, scheduler: Scheduler, census: MemoryCensus, *, strict: bool) -> None:
         self.scheduler = scheduler
+        self.census = census
         self.strict = strict
         self.max_mapping_nonidentity = 0
 
@@ -62,35 +66,6 @@ class IdleChecker:
             ledger["delta"] = ledger["available"] + ledger["evictable"] + ledger["protected"] - ledger["total"]
         return {"full": full, "swa": swa, "req_rows": rows}
 
-    def census(self) -> dict | None:
-        """Slots of each pool held by more than one owner at idle: the free list (pages
-        expanded to slots) and the radix cache (its FULL slots; its live nodes' SWA peers) are
-        the only owners an idle engine has, so each slot must appear at most once among them.
-        None where the allocator has no sub-allocators to read.
-        Data for the fuzzer's oracle, not an invariant: the ledgers and radix sanity judge."""
-        alloc = self.scheduler.allocator
-        sides = (getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None))
-        if None in sides:
-            return None
-        tree = self.scheduler.tree_cache
-        empty = torch.zeros(0, dtype=torch.int64)
-        counts = {}
-        for name, side, held in (
-            ("full", sides[0], tree.held_slots() if tree else empty),
-            ("swa", sides[1], tree.held_swa_slots() if tree else empty),
-        ):
-            # SGLang's allocators (the sglang backend) keep the same two lists, the staged one
-            # None when unused or one tensor; page ids on pages, slot ids on page_size 1, as ours.
-            staged = getattr(side, "release_pages", None)
-            staged = [] if staged is None else [staged] if isinstance(staged, torch.Tensor) else staged
-            pages = torch.cat([side.free_pages, *staged]).to(torch.int64).cpu()
-            page = side.page_size
-            free = (pages[:, None] * page + torch.arange(page)).reshape(-1)
-            slots = torch.cat([free, held.to(torch.int64).cpu()])
-            slots = slots[slots > 0]
-            counts[f"{name}_held_twice"] = int(slots.numel() - torch.unique(slots).numel())
-        return counts
-
     def check(self) -> dict:
         """Evaluate the ledgers and radix sanity; log the result; crash if strict and broken."""
         sched = self.scheduler
@@ -99,8 +74,9 @@ class IdleChecker:
         drops = sched.allocator.drop_counts()
         exercise = sched.exercise_stats()
         self.max_mapping_nonidentity = max(self.max_mapping_nonidentity, exercise["mapping_nonidentity"])
+        census = self.census.check()
         result = {"ledgers": ledgers, "radix_problems": problems[:20], "drops": drops,
-                  "census": self.census(),
+                  "census": census.summary(),
                   "balanced": all(v["delta"] == 0 for v in ledgers.values()) and not problems}
         sched.events.write("idle_check", durable=True, **result)
         level = InvariantCheckLevel.STRICT if self.strict else InvariantCheckLevel.WARN
@@ -113,4 +89,6 @@ class IdleChecker:
                 (RADIX_SANITY, not problems, "; ".join(problems[:3])),
             ):
                 expect(inv, torch.tensor(ok), msg)
+            # After the ledgers: a leak they name is theirs to report first.
+            census.expect_all()
         return result

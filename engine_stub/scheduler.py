@@ -31,17 +31,21 @@ from typing import Any
 import torch
 
 from engine_stub.admission import full_reserve, refusal
+from engine_stub.census import MemoryCensus
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.idle_check import IdleChecker
 from engine_stub.invariants import (
     Bucket,
     Invariant,
+    InvariantCheckLevel,
     IsTrue,
     counter_snapshot,
     drain_firings,
     expect,
     hit_counts,
+    override_level,
+    resolve_level,
 )
 from engine_stub.kv_canary import CanaryRequest, CanaryViolation, KVCanary
 from engine_stub.mem import ReqToTokenPool, SWATokenToKVPoolAllocator
@@ -190,7 +194,8 @@ class Scheduler:
         # Whose each part of the memory path is (native, or sglang-<version>).
         self.memory_parts = memory_parts(config)
         self.canary = KVCanary(config.kv_canary, self.kv_pool, config.window, config.kv_canary_sweep_interval)
-        self.idle = IdleChecker(self, strict=config.strict_mem_check_during_idle)
+        self.census = MemoryCensus(self)
+        self.idle = IdleChecker(self, self.census, strict=config.strict_mem_check_during_idle)
         self.perturber = perturber
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -234,6 +239,7 @@ class Scheduler:
         """Run one prefill or decode batch, then read back firings and violations."""
         self.step_no += 1
         self.events.step = self.step_no
+        moves = self._ownership_moves()
         if self.perturber is not None:
             self._hook(BeforeStep())
         self._drop_aborted()
@@ -247,6 +253,17 @@ class Scheduler:
         elif not self.running and (self.waiting or self.chunked_req is not None):
             self._admission_stalled()
         self._end_of_step(kind if batch_reqs else "stall")
+        if moves != self._ownership_moves() and resolve_level() == InvariantCheckLevel.STRICT:
+            # Slots changed hands between the requests, the tree and the free list: the census,
+            # count-only (engine_stub/census.py says why), read back with the next step.
+            with override_level(InvariantCheckLevel.WARN):
+                self.census.check().expect_all()
+
+    def _ownership_moves(self) -> tuple[int, ...]:
+        """What moves slots between the requests, the tree and the free list, counted so far:
+        finishes (aborts included), chunk boundaries, cache hits."""
+        stats = self.stats
+        return stats["finished_requests"], stats["prefill_chunks"], stats["cached_tokens"]
 
     def _admission_stalled(self) -> None:
         """Nothing runs, yet the head of the queue cannot be admitted.

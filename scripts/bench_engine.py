@@ -15,8 +15,12 @@
     off). Each repetition builds one engine per variant and decodes them in turns of `--segment`
     steps, in a rotating order, so that drift on a shared machine lands on all of them alike;
     figures are medians; ratios are medians of the per-repetition variant / baseline throughput.
+    Each variant's timed run ends with the idle tick the engine runs once the work is done (the
+    ledgers, radix sanity and the memory census); STRICT also runs the census, count-only, at the
+    steps where slots change hands (here the last step's finishes).
 (c) Would-be device syncs (engine_stub.synccheck) of the worst decode step per variant, and how
-    many the checks add over the variant with every check off.
+    many the checks add over the variant with every check off; and the memory census's own cost
+    per call on a mid-run state (cache hits running), against a decode step of the same engine.
 (d) Chunked prefill: prompt tokens/s of prefilling a 480-token prompt (max_new_tokens 1) chunked on
     a small SWA pool (page 1, swa_pool_tokens 64: chunk 30; page 16, swa_pool_tokens 128: chunk
     64), against the same chunk size on a large SWA pool (equal chunk work: the ratio is what a
@@ -186,6 +190,7 @@ class _DecodeRun:
         self.sched.step()  # the prefill of all requests, untimed
         assert self.sched.stats["prefill_steps"] == 1 and len(self.sched.running) == requests
         self.elapsed = 0.0
+        self.idled = False
 
     def _pin_level(self) -> None:
         # The invariant level is process-wide (each Engine pins its own): pin this one's.
@@ -201,6 +206,12 @@ class _DecodeRun:
             if not sched.has_work:
                 break
             sched.step()
+        if not sched.has_work and not self.idled:
+            # The idle tick the engine runs once the work is done (ledgers, radix sanity, the
+            # memory census), timed with the decode: every variant pays it; STRICT also pays the
+            # census at the steps where slots changed hands (the last step's finishes).
+            sched.idle_tick()
+            self.idled = True
         self.elapsed += time.perf_counter() - start
 
     def tok_s(self) -> float:
@@ -234,6 +245,47 @@ def bench_decode(reps: int, requests: int, new_tokens: int, workdir: Path, segme
             for run in runs.values():
                 run.close()
     return samples
+
+
+def bench_census(requests: int, workdir: Path, calls: int = 40) -> dict[str, float]:
+    """The memory census's own cost per call (engine_stub/census.py: evaluated, then handed to
+    `expect` at WARN), on a mid-run state (a finished wave in the radix cache, `requests` running
+    with cache hits), against one decode step of the same engine (invariant_check=strict),
+    medians of `calls` of each, taken in turns."""
+    from engine_stub.config import EngineConfig
+    from engine_stub.engine import Engine
+    from engine_stub.invariants import InvariantCheckLevel, override_level
+    from engine_stub.req import Req
+
+    config = EngineConfig(device="cpu", max_running_requests=requests,
+                          event_log=str(workdir / "census.events.jsonl"), **DECODE_VARIANTS["strict"])
+    engine = Engine(config, exit_on_crash=False)
+    try:
+        sched = engine.scheduler
+        rng = random.Random(0)
+        prompts = [[rng.randrange(256) for _ in range(PROMPT_TOKENS)] for _ in range(requests)]
+        for i, prompt in enumerate(prompts):
+            sched.add_request(Req(f"w{i}", prompt, 2))
+        while sched.has_work:
+            sched.step()
+        for i, prompt in enumerate(prompts):  # the same prompts again: cache hits, locks held
+            sched.add_request(Req(f"r{i}", prompt[:-1] + [prompt[-1] ^ 1], calls + 8))
+        sched.step()
+        census, steps = [], []
+        with override_level(InvariantCheckLevel.WARN):
+            for _ in range(calls):
+                start = time.perf_counter()
+                sched.census.check().expect_all()
+                census.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                sched.step()
+                steps.append(time.perf_counter() - start)
+        assert sched.stats["cached_tokens"] > 0 and len(sched.running) == requests
+        call, step = statistics.median(census), statistics.median(steps)
+        return {"census_call_ms": call * 1e3, "decode_step_ms": step * 1e3, "census_over_step": call / step,
+                "radix_nodes_tokens": float(sched.tree_cache.total_size())}
+    finally:
+        engine.stop(drain_timeout_s=0)
 
 
 # ---- (d) chunked prefill -------------------------------------------------------------------------
@@ -505,10 +557,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_engine-") as tmp:
         workdir = Path(tmp)
         cold = bench_cold_start(args.starts, workdir) if run_cold else None
-        samples = syncs = None
+        samples = syncs = census = None
         if run_decode:
             samples = bench_decode(args.reps, args.requests, args.new_tokens, workdir, args.segment)
             syncs = bench_syncs(args.requests, min(args.new_tokens, 48), workdir)
+            census = bench_census(args.requests, workdir)
         chunked = summarize_chunked(bench_chunked(args.chunked_reps, workdir)) if run_chunked else None
 
     parts = []
@@ -533,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     if samples is not None and syncs is not None:
         decode = print_decode(samples, syncs)
         print()
+        assert census is not None
+        print(f"{'memory census, one call (WARN)':<34}{census['census_call_ms']:>10.3f} ms   "
+              f"({census['census_over_step']:.2f} of a decode step, {census['decode_step_ms']:.3f} ms; "
+              f"{args.requests} running, {census['radix_nodes_tokens']:.0f} tokens cached)")
+        print()
+        out["census"] = {k: round(v, 4) for k, v in census.items()}
         targets.update(decode["targets"])
         out.update(decode["json"])
     if chunked is not None:

@@ -61,8 +61,11 @@ ALLOWED = {
     "engine_stub.kv_canary": {"engine_stub.mem"},
     "engine_stub.perturb": {"engine_stub.perturb", "engine_stub.detectors", "engine_stub.fields"},
     "engine_stub.idle_check": {"engine_stub.invariants"},
+    # The memory census reads the pools, the rows and the tree (our tree's nodes by type).
+    "engine_stub.census": {"engine_stub.invariants", "engine_stub.mem"},
     "engine_stub.scheduler": {
-        "engine_stub.admission", "engine_stub.config", "engine_stub.events", "engine_stub.idle_check",
+        "engine_stub.admission", "engine_stub.census", "engine_stub.config", "engine_stub.events",
+        "engine_stub.idle_check",
         "engine_stub.invariants", "engine_stub.kv_canary", "engine_stub.mem", "engine_stub.model",
         "engine_stub.perturb.sites", "engine_stub.req",
     },

@@ -91,11 +91,12 @@ def test_oracle_judges_a_control_clean_and_a_caught_perturbation_detected(tmp_pa
 
 @pytest.fixture(scope="module")
 def blinded(tmp_path_factory) -> Path:
-    """An engine whose SWA idle ledger and radix sanity check are computed but never fail
-    (disabled detectors: the two that see skip-free-swa-radix's leak)."""
+    """An engine whose SWA idle ledger, radix sanity check and memory census are computed but
+    never fail (disabled detectors: those that see skip-free-swa-radix's leak)."""
     root = tmp_path_factory.mktemp("blinded")
     entries = catalogue()
-    materialize(root, [entries["ledgers.swa-never-fails"], entries["ledgers.radix-sanity-ignored"]])
+    materialize(root, [entries["ledgers.swa-never-fails"], entries["ledgers.radix-sanity-ignored"],
+                       entries["ledgers.census-never-judged"]])
     return root
 
 

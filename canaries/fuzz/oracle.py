@@ -18,9 +18,9 @@ every answer equal to the no-cache oracle. A perturbed run, in order:
    finding: the scenario turned off what would see it;
    nothing fired, yet a planned request was not served -> finding `unserved`;
 8. nothing fired and the engine provably absorbed the damage -> `absorbed`: every idle ledger
-   balanced and the radix cache sane, no slot of either pool held by two owners at idle (the
-   engine's census: free list plus the radix cache's slots, each slot at most once), every
-   answer equal to the no-cache oracle. A two-owner slot during the run that both owners wrote
+   balanced and the radix cache sane, the engine's memory census (engine_stub/census.py, in the
+   idle check's event) clean: no slot of either pool held by two owners at idle and no census
+   rule failing, every answer equal to the no-cache oracle. A two-owner slot during the run that both owners wrote
    changes what one of them reads, so it shows as a wrong answer; one never written twice did
    no harm. Anything else -> finding `blind_spot`, with what was wrong.
 
@@ -104,8 +104,11 @@ def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: 
     census = last.get("census")
     if census is None:
         out.append("census:unknown")
-    else:
-        out += [f"held_twice:{k.split('_')[0]}" for k, v in sorted(census.items()) if v]
+    else:  # the engine's census summary (engine_stub/census.py `CensusReport.summary`)
+        out += [f"held_twice:{k.removesuffix('_held_twice')}" for k, v in sorted(census.items())
+                if k.endswith("_held_twice") and v]
+        out += [f"census:{name.removeprefix('census.')}" for name, v in
+                sorted((census.get("failures") or {}).items()) if v]
     if scenario.workload.temperature == 0:
         start = next((e for e in events if e.get("kind") == "engine_start"), {})
         config = start.get("config") or dict(record.engine)
@@ -180,11 +183,11 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
 
 def _enabled(detector: str, engine: Any) -> bool:
     """Whether `engine`'s knobs let `detector` fire: the KV canary's reasons need the canary
-    on; the idle checks always run (their switch picks WARN or STRICT); every other invariant
-    needs invariant_check above off."""
+    on; the idle checks and the memory census always run at idle (their switch picks WARN or
+    STRICT); every other invariant needs invariant_check above off."""
     if detector.startswith("kv_canary."):
         return engine.kv_canary != "off"
-    if detector.startswith("idle."):
+    if detector.startswith(("idle.", "census.")):
         return True
     return engine.invariant_check != "off"
 

@@ -57,3 +57,15 @@ regression(
            "(a canary fuzz finding: cache_unfinished raised)",
     caught_by=("clean-chunked-budget-leftover-page16",),
 )
+regression(
+    name="chunk.unfinished-row-not-rewritten", area="chunk", file=SCHED,
+    old=("        self.req_to_token_pool.write(req.row, protected, result.slots[protected:new_len])\n"
+         "        if self.reach is not None:\n"
+         "            self.reach.table_written(req.row, protected, new_len, "
+         "\"rewritten with the radix cache's slots\")\n"),
+    new="",
+    models="cache_unfinished_req leaves the request's row naming its own copy of the processed "
+           "part: where the tree already held those tokens it freed that copy, and the next chunks "
+           "read slots nobody owns",
+    caught_by=("clean-chunked-mid-chain-hit",),
+)

@@ -69,3 +69,11 @@ regression(
            "client hang-up mid-decode)",
     caught_by=("clean-hang-up-radix", "clean-hang-up-page16-noradix"),
 )
+regression(
+    name="finish.radix-keeps-partial-page", area="finish", file=SCHED,
+    old="        self.allocator.free(slots[aligned:])\n        self.tree_cache.insert(\n",
+    new="        self.tree_cache.insert(\n",
+    models="with a radix cache, finishing caches the page-aligned part and forgets the partial last "
+           "page (page_size > 1): its full and SWA slots are owned by no one",
+    caught_by=("clean-page16-radix",),
+)

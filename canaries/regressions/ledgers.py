@@ -48,3 +48,22 @@ regression(
            "the switch says to count and log",
     caught_by=("leak-request-strict-idle", "leak-request"),
 )
+regression(
+    name="ledgers.swa-available-reads-full", area="ledgers", file="engine_stub/mem/swa.py",
+    old=("    def swa_available_size(self) -> int:\n"
+         "        return self.swa_attn_allocator.available_size()\n"),
+    new=("    def swa_available_size(self) -> int:\n"
+         "        return self.full_attn_allocator.available_size()\n"),
+    models="the hybrid allocator answers the SWA pool's free size with the full pool's (a "
+           "copy-paste slip): admission and tree eviction plan on a pool that is not there",
+    caught_by=("clean-page1-noradix",),
+)
+regression(
+    name="ledgers.census-never-judged", area="ledgers", file="engine_stub/census.py",
+    old="                    expect(inv, ok, msg, slots=slots)\n",
+    new="                    pass  # evaluated and summarised, never judged\n",
+    models="the memory census is computed (and summarised in the idle event) but its rules are "
+           "never handed to expect: a slot with no owner or two, a stale peer, a lock no request "
+           "holds, a wrong ledger term fire nothing, at idle or mid-run",
+    caught_by=("leak-request-census-idle",),
+)

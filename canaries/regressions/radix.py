@@ -156,3 +156,13 @@ regression(
            "finding: a healthy engine stalled mid-decode)",
     caught_by=("clean-chunked-lock-one-window",),
 )
+regression(
+    name="radix.tombstone-keeps-mapping", area="radix", file=RADIX,
+    old="                self.allocator.free_swa(victim.value)\n",
+    new=("                self.allocator.swa_attn_allocator.free(\n"
+         "                    self.allocator.translate_loc_from_full_to_swa(victim.value))\n"),
+    models="the SWA phase of eviction releases a node's SWA peers straight on the SWA side: the "
+           "tombstone's full slots keep naming the released peers, which the next allocation "
+           "hands to other slots",
+    caught_by=("clean-radix-tombstone-churn",),
+)

@@ -60,3 +60,14 @@ regression(
         "cache_protected_len and the max is swa_evicted_seqlen itself: the same frontier, the "
         "same frees, the same ReqState a kind sees"),
 )
+regression(
+    name="window.swa-lock-released-at-first-decode", area="window", file=SCHED,
+    old="                    and decode_batch_idx >= self.window):\n",
+    new="                    and decode_batch_idx >= 1):\n",
+    models="the SWA part of a cache hit's tree lock goes back at the request's first decode "
+           "instead of once it has decoded a window past its prefix: its window still reads the "
+           "prefix's SWA KV, which the tree may now tombstone under it (SGLang's "
+           "`release_swa_prefix_lock` called too early). Nothing reads wrong KV unless the tree "
+           "tombstones that prefix first, so only census.lock_count sees it",
+    caught_by=("clean-radix-lock-split", "clean-radix-lock-leaf-evict", "clean-pressure-tombstone-hits"),
+)

@@ -355,10 +355,11 @@ def double_free_swa(ctx: KindContext[WindowEviction]) -> Landing | None:
 
 @register_kind("leak_request", Site.ON_REQUEST_FINISH,
                caught_by=("idle.full_ledger", "idle.swa_ledger", "idle.req_rows_ledger",
-                          "sched.admission_stall", "idle.radix_sanity"))
+                          "sched.admission_stall", "idle.radix_sanity", "census.slot_owner"))
 def leak_request(ctx: KindContext[RequestFinish]) -> Landing | None:
     """Never free a finished request: its row and its slots stay taken.
-    The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger); once every
+    The idle ledgers (idle.full_ledger, idle.swa_ledger, idle.req_rows_ledger) and the memory
+    census (census.slot_owner: slots no one owns; in STRICT already at the finish step); once every
     row is leaked, sched.admission_stall; a leaked cache hit keeps its radix lock: idle.radix_sanity."""
     req = _site_target(ctx)
     if req is None:
