@@ -65,3 +65,19 @@ def test_request_level_regression_fails_the_real_server_where_memory_sglang_cann
     assert record.verdict == "FALSE_ALARM", record.reason
     assert "idle.full_ledger" in record.reason
     assert _processes_under(tmp_path) == []
+
+
+def test_allocator_regression_is_missed_on_the_real_server(tmp_path: Path) -> None:
+    """`free-swa-contract-removed` drops PR #36723's check from SGLang's own `free_swa`: the
+    library's corrupt-r2t-zero-page1 (DETECTED by `swa.peer_mapped` on the unmodified release's
+    server, measured in docs/sglang-server.md) lands its perturbation and nothing fires."""
+    _require_server_venv()
+    from canaries.releases.patches import patched_interpreter
+
+    python, _ = patched_interpreter(find_python("0.5.23", server=True), "0.5.23", ("free-swa-contract-removed",),
+                                    tmp_path / "patched")
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "corrupt-r2t-zero-page1.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server", engine_python=str(python))
+    assert record.verdict == "MISSED", record.reason
+    assert record.to_dict()["landed"], "the perturbation landed on SGLang's table"
+    assert _processes_under(tmp_path) == []
