@@ -12,12 +12,13 @@ The attributes read here are 0.5.23's (`req.kv`, `ReqKvInfo`); another release m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine_stub.perturb.sites import ReqState
+from engine_stub.perturb.view import TableView
 
 __all__ = ["SGLangView", "SchedulerFacade"]
 
@@ -36,7 +37,7 @@ def _state(req: Any) -> ReqState:
     return ReqState(str(req.rid), int(kv.req_pool_idx), int(kv.kv_committed_len), int(kv.max_evicted_seqlen))
 
 
-class SGLangView:
+class SGLangView(TableView):
     """`EngineView` over SGLang's scheduler (see perturb/contract.py for each method's contract)."""
 
     def __init__(self, scheduler: Any, window: int, page_size: int) -> None:
@@ -52,29 +53,11 @@ class SGLangView:
     def _table(self) -> torch.Tensor:
         return self._scheduler.req_to_token_pool.req_to_token
 
-    def slots(self, req: ReqState, positions: Sequence[int]) -> torch.Tensor:
-        return self._table()[req.row, list(positions)].to(torch.int64)
-
-    def slot_range(self, req: ReqState, lo: int, hi: int) -> torch.Tensor:
-        return self._table()[req.row, lo:hi].to(torch.int64)
-
-    def set_slot(self, req: ReqState, position: int, slot: int) -> None:
-        self._table()[req.row, position] = slot
-
     def _allocator(self) -> Any:
         return self._scheduler.token_to_kv_pool_allocator
 
     def _mapping(self) -> torch.Tensor:
         return self._allocator().full_to_swa_index_mapping
-
-    def swa_rows(self, slots: Sequence[int]) -> list[int]:
-        index = torch.as_tensor(list(slots), dtype=torch.int64, device=self._mapping().device)
-        return [int(v) for v in self._mapping()[index].tolist()]
-
-    def set_swa_rows(self, slots: Sequence[int], rows: Sequence[int]) -> None:
-        mapping = self._mapping()
-        index = torch.as_tensor(list(slots), dtype=torch.int64, device=mapping.device)
-        mapping[index] = torch.as_tensor(list(rows), dtype=mapping.dtype, device=mapping.device)
 
     def free_full_slot(self) -> int | None:
         full = self._allocator().full_attn_allocator

@@ -16,10 +16,39 @@ from engine_stub.perturb.sites import ReqState
 if TYPE_CHECKING:
     from engine_stub.scheduler import Scheduler
 
-__all__ = ["SchedulerView"]
+__all__ = ["SchedulerView", "TableView"]
 
 
-class SchedulerView:
+class TableView:
+    """The request-row and mapping half of an `EngineView`, over whatever table and mapping
+    `_table()` and `_mapping()` name (our scheduler's, or SGLang's in its own process)."""
+
+    def _table(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _mapping(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def slots(self, req: ReqState, positions: Sequence[int]) -> torch.Tensor:
+        return self._table()[req.row, list(positions)].to(torch.int64)
+
+    def slot_range(self, req: ReqState, lo: int, hi: int) -> torch.Tensor:
+        return self._table()[req.row, lo:hi].to(torch.int64)
+
+    def set_slot(self, req: ReqState, position: int, slot: int) -> None:
+        self._table()[req.row, position] = slot
+
+    def swa_rows(self, slots: Sequence[int]) -> list[int]:
+        index = torch.as_tensor(list(slots), dtype=torch.int64, device=self._mapping().device)
+        return [int(v) for v in self._mapping()[index].tolist()]
+
+    def set_swa_rows(self, slots: Sequence[int], rows: Sequence[int]) -> None:
+        mapping = self._mapping()
+        index = torch.as_tensor(list(slots), dtype=torch.int64, device=mapping.device)
+        mapping[index] = torch.as_tensor(list(rows), dtype=mapping.dtype, device=mapping.device)
+
+
+class SchedulerView(TableView):
     """`EngineView` over `sched` (see perturb/contract.py for each method's contract)."""
 
     def __init__(self, sched: Scheduler) -> None:
@@ -36,26 +65,8 @@ class SchedulerView:
     def _table(self) -> torch.Tensor:
         return self._sched.req_to_token_pool.req_to_token
 
-    def slots(self, req: ReqState, positions: Sequence[int]) -> torch.Tensor:
-        return self._table()[req.row, list(positions)].to(torch.int64)
-
-    def slot_range(self, req: ReqState, lo: int, hi: int) -> torch.Tensor:
-        return self._table()[req.row, lo:hi].to(torch.int64)
-
-    def set_slot(self, req: ReqState, position: int, slot: int) -> None:
-        self._table()[req.row, position] = slot
-
     def _mapping(self) -> torch.Tensor:
         return self._sched.allocator.full_to_swa_index_mapping
-
-    def swa_rows(self, slots: Sequence[int]) -> list[int]:
-        index = torch.as_tensor(list(slots), dtype=torch.int64, device=self._mapping().device)
-        return [int(v) for v in self._mapping()[index].tolist()]
-
-    def set_swa_rows(self, slots: Sequence[int], rows: Sequence[int]) -> None:
-        mapping = self._mapping()
-        index = torch.as_tensor(list(slots), dtype=torch.int64, device=mapping.device)
-        mapping[index] = torch.as_tensor(list(rows), dtype=mapping.dtype, device=mapping.device)
 
     def free_full_slot(self) -> int | None:
         full = self._sched.allocator.full_attn_allocator
