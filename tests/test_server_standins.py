@@ -166,3 +166,33 @@ def test_server_oracle_reports_answers_that_differ_from_the_clean_servers(tmp_pa
                                    {"rid": "r2", "output_ids": None}])
     assert found == [{"rid": "r1", "first_diff": 1, "expected": [8, 9, 10], "got": [8, 4, 10]}]
     assert ServerOracle(tmp_path, {"window": 16}, plan, release="0.5.23").key != oracle.key
+
+
+def test_swa_layers_read_through_the_mapping_and_full_layers_do_not() -> None:
+    from types import SimpleNamespace
+
+    class Pool:
+        layers_mapping = {0: (0, False), 1: (0, True)}
+        full_to_swa_index_mapping = torch.tensor([0, 5, 6, 7])
+
+    class Backend:
+        use_sliding_window_kv_pool = True
+
+        def __init__(self) -> None:
+            self.token_to_kv_pool = Pool()
+            self.req_to_token_pool = SimpleNamespace(req_to_token=torch.tensor([[1, 2, 3]], dtype=torch.int32))
+
+        def forward_extend(self, q, k, v, layer, forward_batch):
+            return self.req_to_token_pool.req_to_token.tolist()
+
+        def forward_decode(self, q, k, v, layer, forward_batch):
+            return self.req_to_token_pool.req_to_token.tolist()
+
+    cpu_standins.translate_swa_reads(Backend)
+    cpu_standins.translate_swa_reads(Backend)  # idempotent
+    backend = Backend()
+    swa, full = SimpleNamespace(layer_id=1), SimpleNamespace(layer_id=0)
+    assert backend.forward_extend(None, None, None, swa, None) == [[5, 6, 7]]
+    assert backend.forward_decode(None, None, None, swa, None) == [[5, 6, 7]]
+    assert backend.forward_decode(None, None, None, full, None) == [[1, 2, 3]]
+    assert backend.req_to_token_pool.req_to_token.tolist() == [[1, 2, 3]]  # the pool's own rows, restored

@@ -22,7 +22,8 @@ import types
 
 import torch
 
-__all__ = ["SPECULATIVE_ONLY", "assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", "install"]
+__all__ = ["SPECULATIVE_ONLY", "assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", "install",
+           "translate_swa_reads"]
 
 # Imported from sgl_kernel at start-up by SGLang's speculative-decoding modules
 # (kernels/ops/speculative/{cache_locs,eagle,multi_layer_eagle,spec_tree}.py in 0.5.23) and called
@@ -105,7 +106,9 @@ PINNED_FACTORIES = ("empty", "zeros", "ones", "full", "tensor")
 
 def install() -> None:
     """Provide `sgl_kernel`'s CPU ops where no `sgl_kernel` is importable, a CPU stream that takes
-    a device, and unpinned host buffers where torch has no accelerator (idempotent)."""
+    a device, unpinned host buffers where torch has no accelerator, and the torch_native attention
+    backend's SWA reads through the mapping (`translate_swa_reads`) once SGLang imports it
+    (idempotent)."""
     if not isinstance(torch.cpu.Stream, type) or not issubclass(torch.cpu.Stream, _DeviceTolerantCpuStream):
         torch.cpu.Stream = _DeviceTolerantCpuStream
     if not torch.cuda.is_available():
@@ -116,6 +119,10 @@ def install() -> None:
             wrapped = _unpinned(factory)
             wrapped.__wrapped_unpinned__ = True
             setattr(torch, name, wrapped)
+    from canaries.server.import_hooks import after_import
+
+    after_import("sglang.srt.layers.attention.torch_native_backend",
+                 lambda module: translate_swa_reads(module.TorchNativeAttnBackend))
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
         return
     module = types.ModuleType("sgl_kernel")
@@ -134,3 +141,43 @@ def _speculative_only(name: str):
 
     refuse.__name__ = name
     return refuse
+
+
+class _TranslatedRows:
+    """A request-to-token pool whose rows name SWA slots: what an SWA layer must read."""
+
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token
+
+
+def translate_swa_reads(backend_class: type) -> None:
+    """Make `backend_class` (SGLang's `TorchNativeAttnBackend`) read an SWA layer's KV at the SWA
+    slots its rows map to.
+
+    On a CPU without AMX the torch_native backend is the only one, and in 0.5.23 it writes an SWA
+    layer's K/V at the translated slots (`init_forward_metadata`: `translate_loc_from_full_to_swa`)
+    but reads them at the rows' FULL slot ids (`_run_sdpa_forward_extend`/`_decode`:
+    `k_cache[req_to_token[row]]`), so an SWA layer reads other tokens' KV, or fails with an
+    IndexError once a full slot id passes the SWA pool's size. Every GPU backend and the AMX one
+    translate; this gives the torch_native one the same read, through SGLang's own mapping, and
+    nothing else: what it writes, its masks and its memory path are SGLang's.
+    """
+    if getattr(backend_class, "__canary_swa_reads__", False):
+        return
+    for name in ("forward_extend", "forward_decode"):
+        original = getattr(backend_class, name)
+
+        def forward(self, q, k, v, layer, forward_batch, *args, _original=original, **kwargs):
+            pool = self.token_to_kv_pool
+            mapping = getattr(pool, "full_to_swa_index_mapping", None)
+            if not self.use_sliding_window_kv_pool or mapping is None or not pool.layers_mapping[layer.layer_id][1]:
+                return _original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            rows = self.req_to_token_pool
+            self.req_to_token_pool = _TranslatedRows(mapping[rows.req_to_token.to(torch.int64)])
+            try:
+                return _original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            finally:
+                self.req_to_token_pool = rows
+
+        setattr(backend_class, name, forward)
+    backend_class.__canary_swa_reads__ = True

@@ -12,16 +12,14 @@ Nothing here raises into SGLang: a handler that fails is logging's own error.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
 
+from canaries.server.import_hooks import after_import
 from canaries.server.log_events import events_of_record, landing_of_line
 
 __all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
@@ -163,34 +161,7 @@ def _arm(scheduler: object, spec_path: str, write) -> None:
     scheduler._canary_perturber = (perturber, facade)
 
 
-class _SchedulerFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of SGLang's scheduler module so that its
-    `Scheduler` is watched as soon as the module has run."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != SCHEDULER_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_watch(module):
-            exec_module(module)
-            _watch(module.Scheduler)
-
-        loader.exec_module = exec_and_watch
-        return spec
-
-
 def install() -> None:
     """Watch SGLang's scheduler where an event log is asked for (idempotent)."""
-    if not os.environ.get(EVENT_LOG_ENV):
-        return
-    module = sys.modules.get(SCHEDULER_MODULE)
-    if module is not None:
-        _watch(module.Scheduler)
-    elif not any(isinstance(f, _SchedulerFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SchedulerFinder())
+    if os.environ.get(EVENT_LOG_ENV):
+        after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))
