@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="keep every run's directory (default: only those of findings)")
     fuzz.add_argument("--replay", nargs="+", metavar="FILE",
                       help="rerun these scenario files (findings) under the fuzzer's oracle")
-    fuzz.add_argument("--steer", choices=STEER_MODES, default=DEFAULT_STEER,
+    fuzz.add_argument("--steer", default=DEFAULT_STEER, metavar="on|off",
                       help="on: a corpus-guided sequence fed with what each run reached; off: the "
                            f"seed's generated draws in order (default {DEFAULT_STEER})")
     fuzz.add_argument("--shard", metavar="I/N", default="1/1",
@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         shard = parse_shard(args.shard)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.steer not in STEER_MODES:
+        raise UsageError(f"--steer {args.steer!r}: expected one of {', '.join(STEER_MODES)}")
     if args.merge:
         return _merge(args)
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"fuzz-{new_run_id()}")
