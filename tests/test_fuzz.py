@@ -424,3 +424,13 @@ def test_steered_campaign_records_each_scenarios_origin_and_replays(tmp_path) ->
     assert summary["steer"] == "on" and summary["features"] > 0 and summary["corpus"] > 0
     generated = sorted((report / "generated").glob("*.yaml"))
     assert main(["fuzz", "--replay", str(generated[0]), "--report-dir", str(tmp_path / "replay")]) in (0, 1)
+
+
+def test_the_command_offers_exactly_the_steer_modes_the_sequence_knows() -> None:
+    from canaries.commands.fuzz import DEFAULT_STEER, STEER_MODES
+    from canaries.fuzz.sequence import STEER_MODES as KNOWN
+    from canaries.fuzz.sequence import make_sequence
+
+    assert STEER_MODES == KNOWN and DEFAULT_STEER in KNOWN
+    with pytest.raises(ValueError, match="--steer 'sideways'"):
+        make_sequence(1, "sideways")
