@@ -261,6 +261,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
             log.close()
             close_fork_server(engine_root=engine_root)
             result.wall_s = time.monotonic() - t0
+            result.generate_s = result.generate_s or result.wall_s  # a campaign that died generating
             result.interrupted = result.interrupted or latch.tripped
             _write_reports(result)
     found = len(result.findings)
