@@ -234,3 +234,204 @@ def test_fuzz_with_sglang_runs_every_scenario_on_both_memory_paths(tmp_path) -> 
     for line in ran_on_sglang:
         run = tmp_path / "report" / "runs" / line["scenario"] / "sglang" / "verdict.json"
         assert json.loads(run.read_text())["extra"]["memory"] == "sglang"
+
+
+# --- the steered fuzzer, shards and merging -------------------------------------------------
+
+def _fed(sequence, count: int, directory: Path, features_of) -> list[dict]:
+    """Draw `count` scenarios of `sequence`, feeding each `features_of(k)`; their documents."""
+    docs = []
+    for k in range(count):
+        scenario, origin = sequence.scenario(k, directory)
+        docs.append((yaml.safe_load(Path(scenario.path).read_text()), origin))
+        sequence.feed(k, scenario.name, features_of(k))
+    return docs
+
+
+def test_mutate_emits_scenarios_the_loader_accepts(tmp_path) -> None:
+    import random
+
+    from canaries.fuzz.mutate import mutate
+    from canaries.fuzz.steer import library_seeds
+
+    rng = random.Random(5)
+    parents = [doc for _, doc in library_seeds()] + [generate(Draw(9, i)) for i in range(20)]
+    refused = []
+    for i in range(300):
+        child, ops = mutate(rng.choice(parents), rng)
+        assert ops and child["expect"]
+        child["name"] = f"mutant-{i}"
+        try:
+            scenario = load_scenario(write_scenario(child, tmp_path / "m.yaml"))
+        except Exception as exc:  # noqa: BLE001 - counted, the sequence draws again
+            refused.append(str(exc))
+            continue
+        if scenario.warnings:
+            refused.append(str(scenario.warnings[0]))
+    assert len(refused) <= 6, refused  # the sequence retries these; nearly all must load
+
+
+def test_steered_sequence_gives_the_same_scenarios_for_the_same_seed_and_feedback(tmp_path) -> None:
+    from canaries.fuzz.sequence import make_sequence
+
+    def features(k: int) -> frozenset[str]:
+        return frozenset({f"f{k % 5}"})
+
+    first = _fed(make_sequence(7, "on", jobs=2), 12, tmp_path / "a", features)
+    again = _fed(make_sequence(7, "on", jobs=2), 12, tmp_path / "b", features)
+    other = _fed(make_sequence(7, "on", jobs=2), 12, tmp_path / "c", lambda k: frozenset({f"g{k}"}))
+    assert first == again
+    assert first != other  # the feedback steers: new features everywhere changes the picks
+    assert any("parent" in origin for _, origin in first)
+    assert all(set(origin["mutation"]) <= set(__import__("canaries.fuzz.mutate").fuzz.mutate.MUTATIONS)
+               for _, origin in first if "parent" in origin)
+
+
+def test_steered_sequence_is_not_ready_before_the_feedback_it_depends_on(tmp_path) -> None:
+    from canaries.fuzz.sequence import MIN_LAG, make_sequence
+
+    sequence = make_sequence(3, "on", jobs=1)
+    assert all(sequence.ready(k) for k in range(MIN_LAG + 1))
+    assert not sequence.ready(MIN_LAG + 1)
+    scenario, _ = sequence.scenario(0, tmp_path)
+    sequence.feed(0, scenario.name, frozenset())
+    assert sequence.ready(MIN_LAG + 1)
+
+
+def test_corpus_keeps_only_scenarios_that_reached_new_features() -> None:
+    from canaries.fuzz.steer import Corpus
+
+    corpus = Corpus()
+    assert corpus.feed(1, "b", {"n": 1}, frozenset({"x", "y"})) == []  # waits for index 0
+    assert corpus.feed(0, "a", {"n": 0}, frozenset({"x"})) == ["x", "y"]
+    assert [e.name for e in corpus.entries] == ["a", "b"]
+    assert corpus.feed(2, "c", {"n": 2}, frozenset({"y"})) == []
+    assert [e.name for e in corpus.entries] == ["a", "b"]
+    assert corpus.seen == Counter({"x": 2, "y": 2})
+
+
+def test_corpus_pick_favours_entries_with_rare_features() -> None:
+    import random
+
+    from canaries.fuzz.steer import Corpus
+
+    corpus = Corpus()
+    corpus.feed(0, "common", {}, frozenset({"c"}))
+    for k in range(1, 20):
+        corpus.feed(k, f"again-{k}", {}, frozenset({"c"}))
+    corpus.feed(20, "rare", {}, frozenset({"c", "r1", "r2", "r3"}))
+    rng = random.Random(0)
+    picks = Counter(corpus.pick(rng).name for _ in range(200))
+    assert picks["rare"] > picks["common"]
+
+
+def test_run_features_name_the_landing_the_firing_and_the_unbalanced_ledger(tmp_path) -> None:
+    from canaries.fuzz.features import run_features
+
+    scenario = _library("skip-free-swa-radix")
+    record = run_scenario(scenario, tmp_path / "run")
+    judgement = judge_run(scenario, record, tmp_path / "run")
+    features = run_features(tmp_path / "run", judgement.outcome)
+    assert {"landed:skip_free_swa@on_window_eviction", "fired:idle.swa_ledger", "ledger:swa:-",
+            "radix_problems", "outcome:detected"} <= features
+    assert any(f.startswith("swa_low:") for f in features)
+    control = _library("clean-page1-radix")
+    record = run_scenario(control, tmp_path / "control")
+    clean = run_features(tmp_path / "control", "clean")
+    assert not any(f.startswith(("fired:", "ledger:", "landed:")) for f in clean)
+
+
+def test_unsteered_shards_are_disjoint_and_together_the_sequence(tmp_path) -> None:
+    from canaries.fuzz.sequence import make_sequence
+    from canaries.fuzz.shard import Shard
+
+    whole = [make_sequence(4, "off").scenario(k, tmp_path / "w")[1]["index"] for k in range(9)]
+    parts = [[make_sequence(4, "off", Shard(i, 3)).scenario(k, tmp_path / f"p{i}")[1]["index"]
+              for k in range(3)] for i in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == whole == list(range(9))
+
+
+def test_steered_shards_are_campaigns_of_their_own(tmp_path) -> None:
+    from canaries.fuzz.sequence import make_sequence
+    from canaries.fuzz.shard import Shard
+
+    a = _fed(make_sequence(4, "on", Shard(1, 2)), 4, tmp_path / "a", lambda k: frozenset())
+    b = _fed(make_sequence(4, "on", Shard(2, 2)), 4, tmp_path / "b", lambda k: frozenset())
+    assert [d["name"] for d, _ in a] == [f"fuzz-s4-p1of2-{k:05d}" for k in range(4)]
+    assert [d for d, _ in a] != [d for d, _ in b]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz", "--count", "1", "--shard", "0/2"], "--shard 0/2"),
+    (["fuzz", "--count", "1", "--shard", "3/2"], "--shard 3/2"),
+    (["fuzz", "--count", "1", "--shard", "two"], "--shard 'two'"),
+    (["fuzz", "--count", "1", "--steer", "maybe"], "--steer"),
+    (["fuzz", "--merge", "a"], "--report-dir"),
+])
+def test_fuzz_with_a_bad_shard_steer_or_merge_exits_2_naming_the_parameter(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _shard_report(directory: Path, shard: str, findings: list[tuple[str, int]]) -> Path:
+    """A campaign's report dir as `fuzz` writes it, with these (signature, seen) findings."""
+    (directory / "findings").mkdir(parents=True)
+    rows = []
+    for signature, seen in findings:
+        name = f"{signature.split('|')[0]}-{abs(hash(signature)) % 10**8:08d}.yaml"
+        (directory / "findings" / name).write_text(f"# canary fuzz finding: {signature}\nname: x\n")
+        rows.append({"signature": signature, "outcome": signature.split("|")[0], "reason": "r",
+                     "first": "fuzz-s9-00001", "path": str(directory / "findings" / name), "seen": seen})
+    summary = {"seed": 9, "steer": "off", "shard": shard, "runs": 10, "jobs": 2, "wall_s": 5.0,
+               "generate_s": 5.0, "outcomes": {"clean": 10 - len(findings), "blind_spot": len(findings)},
+               "findings": rows}
+    (directory / "findings.json").write_text(json.dumps(summary))
+    (directory / "fuzz.jsonl").write_text(json.dumps({"index": 0, "scenario": "fuzz-s9-00001"}) + "\n")
+    return directory
+
+
+def test_merge_unions_the_shards_findings_by_signature(tmp_path) -> None:
+    one = _shard_report(tmp_path / "one", "1/2", [("blind_spot|a|-", 2), ("hang|b|-", 1)])
+    two = _shard_report(tmp_path / "two", "2/2", [("blind_spot|a|-", 3), ("cut_short|c|-", 1)])
+    out = tmp_path / "merged"
+    assert main(["fuzz", "--merge", str(one), str(two), "--report-dir", str(out)]) == 1
+    summary = json.loads((out / "findings.json").read_text())
+    seen = {f["signature"]: f["seen"] for f in summary["findings"]}
+    assert seen == {"blind_spot|a|-": 5, "hang|b|-": 1, "cut_short|c|-": 1}
+    assert summary["runs"] == 20 and summary["outcomes"]["clean"] == 16
+    assert all(Path(f["path"]).is_file() and Path(f["path"]).parent == out / "findings"
+               for f in summary["findings"])
+    shards = [json.loads(line)["shard"] for line in (out / "fuzz.jsonl").read_text().splitlines()]
+    assert shards == ["1/2", "2/2"]
+
+
+def test_merge_of_a_dir_without_a_report_exits_2_naming_it(tmp_path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main(["fuzz", "--merge", str(tmp_path / "empty"), "--report-dir", str(tmp_path / "o")]) == 2
+    assert str(tmp_path / "empty" / "findings.json") in capsys.readouterr().err
+
+
+def test_steered_campaign_records_each_scenarios_origin_and_replays(tmp_path) -> None:
+    report = tmp_path / "report"
+    main(["fuzz", "--count", "4", "--seed", "5", "--jobs", "2", "--steer", "on",
+          "--report-dir", str(report), "--shrink-steps", "0"])
+    lines = [json.loads(line) for line in (report / "fuzz.jsonl").read_text().splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2, 3]
+    for line in lines:
+        origin = line["origin"]
+        assert "index" in origin or (origin["parent"] and origin["mutation"])
+    assert any(line["new_features"] for line in lines)
+    summary = json.loads((report / "findings.json").read_text())
+    assert summary["steer"] == "on" and summary["features"] > 0 and summary["corpus"] > 0
+    generated = sorted((report / "generated").glob("*.yaml"))
+    assert main(["fuzz", "--replay", str(generated[0]), "--report-dir", str(tmp_path / "replay")]) in (0, 1)
+
+
+def test_the_command_offers_exactly_the_steer_modes_the_sequence_knows() -> None:
+    from canaries.commands.fuzz import DEFAULT_STEER, STEER_MODES
+    from canaries.fuzz.sequence import STEER_MODES as KNOWN
+    from canaries.fuzz.sequence import make_sequence
+
+    assert STEER_MODES == KNOWN and DEFAULT_STEER in KNOWN
+    with pytest.raises(ValueError, match="--steer 'sideways'"):
+        make_sequence(1, "sideways")

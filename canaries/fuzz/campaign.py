@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from canaries.fuzz.accepted import load_accepted
-from canaries.fuzz.generate import scenario_for
+from canaries.fuzz.features import run_features
 from canaries.fuzz.oracle import Judgement, judge_run
+from canaries.fuzz.sequence import make_sequence
+from canaries.fuzz.shard import WHOLE, Shard
 
 __all__ = ["Finding", "FuzzResult", "fuzz", "replay"]
 
@@ -40,6 +42,7 @@ class Finding:
     first: str
     path: str
     seen: int = 1
+    origin: dict = field(default_factory=dict)  # the seed's index, or the corpus parent and mutation
     shrunk: bool = False
     size_before: int | None = None
     size_after: int | None = None
@@ -60,10 +63,18 @@ class FuzzResult:
     generate_s: float = 0.0
     jobs: int = 1
     interrupted: bool = False
+    steer: str = "off"
+    shard: str = "1/1"
+    features: int = 0  # distinct features the runs reached
+    corpus: int = 0  # corpus entries at the end (steered: seeds plus scenarios that reached new features)
+    merged_from: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         cpu_hours = self.generate_s * self.jobs / 3600 or 1e-9  # the generating phase, all jobs
-        return {"seed": self.seed, "runs": self.runs, "jobs": self.jobs, "wall_s": round(self.wall_s, 1),
+        return {"seed": self.seed, "steer": self.steer, "shard": self.shard, "runs": self.runs,
+                "jobs": self.jobs, "wall_s": round(self.wall_s, 1),
+                "features": self.features, "corpus": self.corpus,
+                **({"merged_from": self.merged_from} if self.merged_from else {}),
                 "generate_s": round(self.generate_s, 1), "interrupted": self.interrupted,
                 "outcomes": dict(sorted(self.outcomes.items())),
                 "findings": [asdict(f) for f in self.findings.values()],
@@ -76,6 +87,7 @@ def _header(finding: Finding, seed: int) -> str:
         f"signature: {finding.signature}",
         f"reason: {finding.reason}",
         f"found by: canary fuzz --seed {seed} ({finding.first}); seen {finding.seen} time(s)",
+        f"origin: {json.dumps(finding.origin, sort_keys=True)}",
         f"repro: canary fuzz --replay {finding.path}",
     ))
 
@@ -125,6 +137,9 @@ def _write_reports(result: FuzzResult) -> None:
         "<style>body{font:14px sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:4px;"
         "vertical-align:top}table{border-collapse:collapse}</style>"
         f"<h1>canary fuzz: seed {result.seed}</h1>"
+        f"<p>steer {html.escape(result.steer)}, shard {html.escape(result.shard)}"
+        f"{', merged from ' + html.escape(', '.join(result.merged_from)) if result.merged_from else ''}; "
+        f"{result.features} distinct feature(s) reached</p>"
         f"<p>{result.runs} generated scenario(s) in {result.wall_s:.0f} s"
         f"{' (interrupted)' if result.interrupted else ''}; outcomes: {html.escape(outcomes)}</p>"
         f"<h2>{len(result.findings)} distinct finding(s)</h2>"
@@ -141,12 +156,16 @@ def _write_reports(result: FuzzResult) -> None:
 def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
          count: int | None = None, jobs: int = 1, runtime: str = "local", device: str | None = None,
          engine_root: str | Path | None = None, shrink_steps: int = 16, keep_runs: bool = False,
-         sglang_python: str | None = None,
+         sglang_python: str | None = None, steer: str = "off", shard: Shard = WHOLE,
          progress: Callable[[str], None] | None = print) -> FuzzResult:
     """Run generated scenarios of `seed` (index 0, 1, ...) until `budget_s` seconds have gone
     or `count` scenarios have run; then shrink each new finding (at most `shrink_steps` runs
     each). SIGINT/SIGTERM stops it early: the running scenarios' engines are stopped, shrinking
     is skipped, every finding so far is kept and the reports are written.
+
+    `steer`: "off" runs the seed's generated draws in order (this shard's part of them); "on"
+    runs a corpus-guided sequence (`sequence.SteeredSequence`) fed with what each run reached.
+    Each run's origin (the seed's index, or the corpus parent and the mutation) is in fuzz.jsonl.
 
     `sglang_python`: an interpreter with sglang; every scenario then runs a second time on
     SGLang's allocator (`memory: sglang`), and a different outcome from the oracle is a finding
@@ -161,30 +180,38 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
     for sub in ("generated", "runs", "findings"):
         (report_dir / sub).mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _: None)
-    result = FuzzResult(seed, report_dir, jobs=jobs)
+    result = FuzzResult(seed, report_dir, jobs=jobs, steer=steer, shard=str(shard))
+    sequence = make_sequence(seed, steer, shard, jobs)
+    reached: set[str] = set()
     accepted = load_accepted()
     t0 = time.monotonic()
     deadline = t0 + budget_s if budget_s is not None else float("inf")
     log = open(report_dir / "fuzz.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed below
     sources: dict[str, Path] = {}
 
-    def one(index: int) -> tuple[int, Any, Path, Judgement, float]:
+    def one(index: int, scenario: Any, origin: dict) -> tuple:
         started = time.monotonic()
-        scenario, _ = scenario_for(seed, index, report_dir / "generated")
         run_dir = report_dir / "runs" / scenario.name
         record = run_scenario(scenario, run_dir, runtime=runtime, device=device, engine_root=engine_root)
         judgement = judge_run(scenario, record, run_dir)
+        features = run_features(run_dir, judgement.outcome)
         if sglang_python is not None and not judgement.finding:
             judgement = _parity(scenario, judgement, run_dir, sglang_python, device)
-        return index, scenario, run_dir, judgement, time.monotonic() - started
+        return index, scenario, origin, run_dir, judgement, features, time.monotonic() - started
 
-    def take(index: int, scenario: Any, run_dir: Path, judgement: Judgement, seconds: float) -> None:
+    def take(index: int, scenario: Any, origin: dict, run_dir: Path, judgement: Judgement,
+             features: frozenset[str], seconds: float) -> None:
         result.runs += 1
+        new = sequence.feed(index, scenario.name, features)
+        reached.update(features)
+        result.features = len(reached)
+        result.corpus = sequence.corpus_size
         known = next((a for a in accepted if judgement.finding and a.matches(judgement.signature)), None)
         outcome = "accepted" if known else judgement.outcome
         result.outcomes[outcome] += 1
         log.write(json.dumps({"index": index, "scenario": scenario.name, **judgement.to_dict(),
                               **({"accepted": known.signature} if known else {}),
+                              "origin": origin, "new_features": new,
                               "seconds": round(seconds, 2)}) + "\n")
         log.flush()
         line = f"[{result.runs}] {scenario.name} {outcome} ({seconds:.1f}s)"
@@ -194,7 +221,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
                 known.seen += 1
             else:
                 finding = Finding(judgement.signature, judgement.outcome, judgement.reason,
-                                  scenario.name, "")
+                                  scenario.name, "", origin=origin)
                 finding.path = str(report_dir / "findings" / f"{finding.slug}.yaml")
                 sources[judgement.signature] = Path(scenario.path)
                 _write_finding(finding, Path(scenario.path), seed)
@@ -204,7 +231,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
             shutil.rmtree(run_dir, ignore_errors=True)
         say(line)
 
-    say(f"canary fuzz: seed {seed}, "
+    say(f"canary fuzz: seed {seed}, steer {steer}, shard {shard}, "
         + (f"budget {budget_s:.0f}s" if budget_s is not None else f"{count} scenario(s)")
         + f", {jobs} job(s); reports in {report_dir}")
     next_index = 0
@@ -214,8 +241,9 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
                 running: set[Future] = set()
                 while True:
                     while (len(running) < jobs and not latch.tripped and time.monotonic() < deadline
-                           and (count is None or next_index < count)):
-                        running.add(pool.submit(one, next_index))
+                           and (count is None or next_index < count) and sequence.ready(next_index)):
+                        scenario, origin = sequence.scenario(next_index, report_dir / "generated")
+                        running.add(pool.submit(one, next_index, scenario, origin))
                         next_index += 1
                     if not running:
                         break
@@ -233,6 +261,7 @@ def fuzz(seed: int, report_dir: str | Path, *, budget_s: float | None = None,
             log.close()
             close_fork_server(engine_root=engine_root)
             result.wall_s = time.monotonic() - t0
+            result.generate_s = result.generate_s or result.wall_s  # a campaign that died generating
             result.interrupted = result.interrupted or latch.tripped
             _write_reports(result)
     found = len(result.findings)
