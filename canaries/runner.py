@@ -273,11 +273,13 @@ def _wait_idle_check(base_url: str, runtime: Any, timeout: float) -> dict | None
     return state
 
 
-def patience_for(workload: Any) -> Patience:
-    """How long a scenario's workload waits on its engine: STALL_S without progress, and a hard
+def patience_for(workload: Any, runtime: Any = None) -> Patience:
+    """How long a scenario's workload waits on its engine: STALL_S without progress (or what the
+    runtime asks for: SGLang's server on a CPU can spend minutes in its first forward), and a hard
     cap that grows with the number of requests."""
-    return Patience(stall_s=STALL_S,
-                    hard_cap_s=max(MIN_HARD_CAP_S, HARD_CAP_PER_REQUEST_S * workload.total_requests))
+    stall_s = max(STALL_S, float(getattr(runtime, "stall_s", STALL_S)))
+    return Patience(stall_s=stall_s,
+                    hard_cap_s=max(MIN_HARD_CAP_S, stall_s, HARD_CAP_PER_REQUEST_S * workload.total_requests))
 
 
 def _read_events(path: Path) -> list[dict]:
@@ -363,12 +365,12 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         if on_started is not None:
             on_started(rt)
         # A runtime that knows its engine's progress its own way (SGLang's server) says so.
-        responses = drive_workload(base_url, workload, seed, patience or patience_for(workload), plan=plan,
+        responses = drive_workload(base_url, workload, seed, patience or patience_for(workload, rt), plan=plan,
                                    progress=getattr(rt, "progress", None))
         mark("drive")
         if runtime == "sglang-server":
             oracle = _server_oracle(scenario, spec, plan, run_dir, workload, seed,
-                                    patience or patience_for(workload), responses)
+                                    patience or patience_for(workload, rt), responses)
         oracle.start(responses)  # computed while the engine idles and stops
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
         timed_out = hang is not None

@@ -32,6 +32,7 @@ __all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
 READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
+PORT_ATTEMPTS = 3  # a port taken under the server before it binds: start again on another
 
 
 class ServerStartError(RuntimeError):
@@ -84,6 +85,18 @@ class SGLangServer:
 
         Its scheduler writes the suite's events to `run_dir/events.jsonl` (the plugin);
         `extra_env` adds variables (SGLang's own perturbation knobs)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once(run_dir, extra_env)
+            except ServerStartError as exc:
+                # Another process took the port between our probe and the server's bind (its
+                # imports take a minute): a new port, not a failed run.
+                if attempt == PORT_ATTEMPTS or "address already in use" not in str(exc):
+                    raise
+                self.proc = None
+        raise AssertionError("unreachable")
+
+    def _start_once(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None) -> str:
         if self.proc is not None:
             raise RuntimeError("this server was already started")
         run_dir = Path(run_dir).resolve()
@@ -107,8 +120,9 @@ class SGLangServer:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"sglang.launch_server exited with {self.proc.returncode} before "
                                        f"it served:\n{self.log_tail()}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(self.base_url + "/ready", timeout=2).status_code == 200:
+            with contextlib.suppress(requests.RequestException, ValueError):
+                if requests.get(self.base_url + "/ready", timeout=2).status_code == 200 \
+                        and self._serves(model_dir):
                     break
             if time.monotonic() > deadline:
                 self.stop()
@@ -117,6 +131,12 @@ class SGLangServer:
             time.sleep(0.5)
         self.started_s = time.monotonic() - started
         return self.base_url
+
+    def _serves(self, model_dir: Path) -> bool:
+        """Whether the server on our port is ours (its model is our model directory), not another
+        one that took the port first."""
+        info = requests.get(self.base_url + "/model_info", timeout=2).json()
+        return Path(str(info.get("model_path", ""))) == model_dir
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the launcher, wait up to `timeout`, then SIGKILL its whole group; the exit code."""
@@ -193,6 +213,10 @@ class SGLangServerRuntime:
     armed in its scheduler process, its events from its own log (canaries/server/)."""
 
     start_mode = "fresh"
+    # No step for this long with requests outstanding is a hang: a fresh server's first forward on
+    # a loaded two-core CPU (lazy initialisation, the canary's kernels in Triton's interpreter) has
+    # taken over a minute here.
+    stall_s = 240.0
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
                  engine_root: str | os.PathLike | None = None, device: str = "cpu", **_: object) -> None:

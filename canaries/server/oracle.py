@@ -49,9 +49,10 @@ class ServerOracle:
         if self.path.is_file():
             return {rid: list(ids) for rid, ids in json.loads(self.path.read_text(encoding="utf-8")).items()}
         responses = compute()
-        failed = [r["rid"] for r in responses if r.get("output_ids") is None]
+        failed = [r for r in responses if r.get("output_ids") is None]
         if failed:
-            raise RuntimeError(f"the clean server did not answer {', '.join(failed[:5])}: no oracle")
+            raise RuntimeError(f"the clean server did not answer {', '.join(r['rid'] for r in failed[:5])} "
+                               f"({failed[0].get('error') or failed[0].get('status')}): no oracle")
         answers = {r["rid"]: list(r["output_ids"]) for r in responses}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
