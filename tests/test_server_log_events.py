@@ -103,3 +103,10 @@ def test_scheduler_death_by_anything_else_is_an_error_crash() -> None:
     assert crash["cause"] == "error" and crash["error"] == "KeyError: 'x'"
     failed = events_of_record("Scheduler hit an exception: Traceback\n" + FAILED_LINE, step=3)
     assert [e["kind"] for e in failed] == ["invariant_firing", "crash"]  # the invariant's own crash
+
+
+def test_a_traceback_quoting_sglangs_source_line_is_no_firing() -> None:
+    quoted = '    torch._assert_async(ok.all(), f"invariant-check FAILED [{inv.name}]: {msg}")'
+    assert events_of_line(quoted, step=2) == []
+    record = "Scheduler hit an exception: Traceback\n" + quoted + "\n" + FAILED_LINE
+    assert [detector_of(e) for e in events_of_record(record, step=2)] == ["swa.peer_mapped", None]

@@ -33,10 +33,12 @@ CANARY_REASONS = {
     "verify_token": "verify_token",
 }
 # utils/invariants.py `_CheckReporter.report`: `invariant-check [name@rank0]: +k hit(s), T total. msg`
-_HIT_RE = re.compile(r"invariant-check \[(?P<name>[^@\]]+)@rank\d+\]: \+(?P<new>\d+) hit\(s\), "
+_HIT_RE = re.compile(r"invariant-check \[(?P<name>[A-Za-z0-9_.]+)@rank\d+\]: \+(?P<new>\d+) hit\(s\), "
                      r"(?P<total>\d+) total\.\s?(?P<msg>.*)")
 # The strict path (and FATAL_UNCONTAINABLE at any level): `invariant-check FAILED [name]: msg`.
-_FAILED_RE = re.compile(r"invariant-check FAILED \[(?P<name>[^\]]+)\]:?\s?(?P<msg>.*)")
+# A name is dotted words: a traceback that quotes SGLang's own source line
+# (`f"invariant-check FAILED [{inv.name}]: {msg}"`) is not a firing.
+_FAILED_RE = re.compile(r"invariant-check FAILED \[(?P<name>[A-Za-z0-9_.]+)\]:?\s?(?P<msg>.*)")
 # managers/scheduler_components/invariant_checker.py: the idle memory check.
 _LEAK_RE = re.compile(r"(?P<pool>[\w ]+?) memory leak detected!")
 # Which idle ledger each of SGLang's leak reports is.
