@@ -67,7 +67,10 @@ class ServerLaunch:
         if not c.radix_cache:
             args.append("--disable-radix-cache")
         if c.kv_canary != "off":
-            args += ["--kv-canary", c.kv_canary, "--kv-canary-sweep-interval", str(c.kv_canary_sweep_interval)]
+            # Our canary hashes the real K/V of every slot it verifies (kv_canary.verify_real_kv_hash):
+            # SGLang's does so only with --kv-canary-real-data.
+            args += ["--kv-canary", c.kv_canary, "--kv-canary-sweep-interval", str(c.kv_canary_sweep_interval),
+                     "--kv-canary-real-data", "all"]
         if self.device == "cpu":
             # The only attention and sampling backends SGLang has for a CPU without AMX; CUDA
             # graphs do not exist there.
