@@ -99,6 +99,7 @@ def _unsplitmix_int(y: int) -> int:
 
 _SEED_IN = _unsplitmix_int(_CHAIN_SEED)  # prev_in of position 0
 _ZERO_IN = _unsplitmix_int(0)  # prev_in and kv_sum of an unwritten record
+_NO_POSITION = -1  # what the padding slot's record reads as: no position is ever its own
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -771,13 +772,13 @@ class KVCanary:
         if check_kv:
             columns.append(reads[0][3] if len(reads) == 1 else torch.cat([kv for _, _, _, kv in reads]))
         expected = torch.stack(columns, dim=1)
+        # A position below a request's length never maps to the padding slot, or below it
+        # (SGLang's canary skips slot 0; ours does not): whatever a damaged write left in slot
+        # 0's record, it holds no position there. An SWA position inside the window must have a live peer, so
+        # a released peer (row 0) fails too; the sweep only walks live (non-tombstone) positions.
+        stored[:, _POSITION].masked_fill_(slots <= 0, _NO_POSITION)
         fails = stored[:, _POSITION:_POSITION + len(columns)] != expected
-        # A zeroed req_to_token entry reads the padding slot and is skipped. An SWA position
-        # inside the window must have a live peer, so there a released peer (row 0) is checked
-        # and fails; the sweep only walks live (non-tombstone) positions.
-        checked = slots > 0
-        checked &= valid
-        fails &= checked.unsqueeze(1)
+        fails &= valid.unsqueeze(1)
         if chain_ok is not None:
             fails[:, 1] &= chain_ok
         for group, count in counts or [(group, rows.numel()) for group, rows, _, _ in reads]:

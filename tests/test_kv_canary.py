@@ -113,16 +113,19 @@ def test_wrong_slot_in_req_to_token_reports_slot_position_and_request(
     assert all(v["request"] in ("a", "") for v in _violations(engine, step))
 
 
-def test_zeroed_req_to_token_entry_breaks_the_next_chain_link(engine: Engine) -> None:
+def test_zeroed_req_to_token_entry_fails_position_and_next_chain_link(engine: Engine) -> None:
     a, _ = _two_decoding(engine)
     position = 6
     engine.scheduler.req_to_token_pool.req_to_token[a.row, position] = 0  # the padding slot
     step = engine.scheduler.step_no + 1
     _steps(engine, 1)
-    found = {(v["reason"], v["position"], v["request"]) for v in _violations(engine, step)}
-    # Slot 0 itself is never verified; its successor's chain no longer links.
+    violations = _violations(engine, step)
+    found = {(v["reason"], v["position"], v["request"]) for v in violations}
+    # A position below the request's length never maps to the padding slot (SGLang's canary
+    # skips slot 0, ours fails it), and its successor's chain no longer links.
+    assert ("verify_position", position, "a") in found
     assert ("verify_chain_hash", position + 1, "a") in found
-    assert not any(p == position for _, p, _ in found)
+    assert all(v["stored"] == -1 for v in violations if v["reason"] == "verify_position")
 
 
 @pytest.mark.parametrize("group", ["FULL", "SWA"])
@@ -453,13 +456,12 @@ class _LoopCanary:
     ) -> None:
         records = self.records[group]
         rows = self._rows(group, slots)
-        # A zeroed req_to_token entry reads the padding slot and is skipped. An SWA position
-        # inside the window must have a live peer, so there a released peer (row 0) is checked
-        # and fails; the sweep only walks live (non-tombstone) positions.
-        checked = slots > 0
-        if active is not None:
-            checked &= active
-        stored = records[rows]
+        # A position never maps to the padding slot (or below it): such a read holds no
+        # position. An SWA position inside the window must have a live peer, so there a
+        # released peer (row 0) is checked and fails; the sweep only walks live positions.
+        checked = torch.ones_like(slots, dtype=torch.bool) if active is None else active.clone()
+        stored = records[rows].clone()
+        stored[:, 1] = torch.where(slots <= 0, torch.full_like(slots, -1), stored[:, 1])
         prev = records[self._rows(group, prev_slots)]
         expected_prev = torch.where(
             positions == 0, torch.full_like(positions, _CHAIN_SEED), _chain(prev[:, 2], prev[:, 0], prev[:, 1])

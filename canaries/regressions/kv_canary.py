@@ -71,3 +71,12 @@ regression(
            "(a canary fuzz finding)",
     caught_by=("swap-next-token-last-step",),
 )
+regression(
+    name="kv_canary.padding-slot-skipped", area="kv_canary", file=CANARY,
+    old="        stored[:, _POSITION].masked_fill_(slots <= 0, _NO_POSITION)\n",
+    new="        valid = valid & (slots > 0)\n",
+    models="verification skips every position that maps to the padding slot, as SGLang's canary "
+           "does: a row entry zeroed before its token's write sends the token's KV to slot 0, the "
+           "forwards read it there, and with invariants off nothing sees it (a canary fuzz finding)",
+    caught_by=("corrupt-r2t-zero-before-write-canary",),
+)
