@@ -19,7 +19,10 @@ from typing import Any
 
 from canaries.divergences import PARITY_DIR, known_divergences
 
-__all__ = ["PARITY_DIR", "ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
+SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences, release by release
+UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
+
+__all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
            "lost_sglang_hits", "run_parity", "unsupported_reason"]
 
 
@@ -46,6 +49,7 @@ class ParityResult:
     native_failures: list[str]
     report_dir: Path
     divergences: str = ""  # which configs/parity/ file(s) the known divergences came from
+    side: str = "memory path"  # what of SGLang ran: its memory path under our scheduler, or its server
 
     @property
     def unexplained(self) -> list[ParityRow]:
@@ -56,7 +60,7 @@ class ParityResult:
         return not self.unexplained and not self.native_failures
 
     def to_markdown(self) -> str:
-        lines = [f"# Parity: native vs SGLang {self.version}", "",
+        lines = [f"# Parity: native vs SGLang {self.version} ({self.side})", "",
                  *([f"Known divergences: {self.divergences}", ""] if self.divergences else []),
                  "| scenario | native | sglang | detectors (native / sglang) | latency | status |",
                  "|---|---|---|---|---|---|"]
@@ -128,7 +132,11 @@ _UNSUPPORTED_RE = re.compile(r"ReleaseUnsupported: (.+)")
 
 
 def unsupported_reason(run_dir: Path) -> str:
-    """Why the release refused this scenario's engine here (its engine log says so), or ""."""
+    """Why the release refused this scenario's engine here (its engine log says so, or the
+    sglang-server runtime's `unsupported` note), or ""."""
+    note = run_dir / UNSUPPORTED_NOTE
+    if note.is_file():
+        return note.read_text(encoding="utf-8", errors="replace").strip()
     log = run_dir / "engine.log"
     if not log.is_file():
         return ""
@@ -177,25 +185,31 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
 
 
 def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str, *, jobs: int = 1,
-               memory: str = "sglang") -> ParityResult:
-    """Run `scenarios` on both backends into `report_dir/{native,sglang}`; the comparison.
+               memory: str = "sglang", runtime: str = "local") -> ParityResult:
+    """Run `scenarios` on both sides into `report_dir/{native,sglang}`; the comparison.
 
     `memory`: SGLang's side, `sglang` (every part the release has; what configs/parity/
-    records) or `sglang-allocator` (its allocator under our tree and row table)."""
+    records) or `sglang-allocator` (its allocator under our tree and row table).
+    `runtime="sglang-server"`: SGLang's side is its real server (`engine_python` the server
+    venv's interpreter), held to configs/parity/server/."""
     from canaries.report.atomic import write_atomic
     from canaries.runner import run_many
 
     report_dir = Path(report_dir)
     version = engine_sglang_version(engine_python)
     native = run_many(scenarios, report_dir / "native", jobs=jobs, progress=False)
-    sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory=memory,
-                      engine_python=engine_python)
+    if runtime == "sglang-server":
+        sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, runtime=runtime,
+                          engine_python=engine_python)
+    else:
+        sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory=memory,
+                          engine_python=engine_python)
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
     unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) for r in sglang}
-    known = known_divergences(version)
+    known = known_divergences(version, SERVER_PARITY_DIR if runtime == "sglang-server" else PARITY_DIR)
     rows = compare(native, sglang, known.entries, lost, unsupported)
     result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir,
-                          known.describe())
+                          known.describe(), "server" if runtime == "sglang-server" else "memory path")
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(
         {"sglang_version": version, "divergences": known.describe(),

@@ -429,6 +429,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                          "memory": spec["engine"].get("memory", "native"),
                          "engine_python": engine_python,
                          "exit_code": exit_code, "phases_s": phases,
+                         "server": getattr(rt, "server_record", lambda: None)(),
                          "repro": f"canary run {scenario.path} --runtime {runtime}"
                                   + (f" --device {device}" if device else "")})
     with contextlib.suppress(OSError):

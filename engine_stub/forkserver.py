@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch  # noqa: F401 - imported once here, so that every forked engine starts warm
@@ -66,8 +67,9 @@ class _Child:
     ready: LineReader = field(default_factory=LineReader)
 
 
-def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int]) -> None:
-    """In the forked child: become a fresh-looking engine process, run it, never return."""
+def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int],
+           main: Callable[[list[str]], int]) -> None:
+    """In the forked child: become a fresh-looking engine process, run `main(argv)`, never return."""
     code = 1
     try:
         os.setsid()
@@ -91,7 +93,7 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
         # The engine writes its ready line to this pipe; the server forwards it at once.
         os.environ[READY_FD_ENV] = str(ready_w)
         os.set_inheritable(ready_w, False)
-        code = engine_main(list(request["argv"]))
+        code = main(list(request["argv"]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child must end in os._exit, whatever happened
@@ -124,7 +126,8 @@ def _preload() -> None:
 class _Server:
     """The server's state: the listener, connections still sending their request, children."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, main: Callable[[list[str]], int]) -> None:
+        self.main = main
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -184,7 +187,7 @@ class _Server:
         if pid == 0:
             _child(request, ready_w, [self.listener, conn, *self.pending,
                                       *(c.conn for c in self.children.values())],
-                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd])
+                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main)
         os.close(ready_w)  # the child holds the only write end: EOF once it wrote or died
         child = self.children[pid] = _Child(pid, conn, ready_r)
         self.by_ready_fd[ready_r] = child
@@ -248,15 +251,18 @@ class _Server:
             os.unlink(socket_path)
 
 
-def serve(socket_path: str) -> int:
-    """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit."""
+def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main) -> int:
+    """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit.
+
+    Each child runs `main(argv)` (the engine's by default; SGLang's server for
+    `canaries.server.fork_parent`) and exits with what it returns."""
     _preload()
     # Everything imported so far is shared with every child: frozen out of the collector's
     # reach, a child's collections do not touch (and so copy) the parent's pages.
     gc.collect()
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
-    server = _Server(socket_path)
+    server = _Server(socket_path, main)
     signal.set_wakeup_fd(server.wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     print(READY_LINE, flush=True)

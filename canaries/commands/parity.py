@@ -15,8 +15,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parity = sub.add_parser("parity", help="compare verdicts on native vs SGLang's own memory path")
     parity.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
     parity.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
-    parity.add_argument("--engine-python", metavar="PATH", required=True,
-                        help="an interpreter with sglang (scripts/make-sglang-venv.sh)")
+    parity.add_argument("--engine-python", metavar="PATH",
+                        help="an interpreter with sglang (scripts/make-sglang-venv.sh); with --runtime "
+                             "sglang-server, default the server venv's")
+    parity.add_argument("--runtime", choices=("local", "sglang-server"), default="local",
+                        help="SGLang's side: its memory path under our engine (local, default) or its "
+                             "own server (known divergences: configs/parity/server/)")
     parity.add_argument("--memory", choices=("sglang", "sglang-allocator"), default="sglang",
                         help="SGLang's side: every part the release has (default) or its allocator alone")
     parity.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
@@ -31,13 +35,26 @@ def run(args: argparse.Namespace) -> int:
     from canaries.parity import run_parity
     from canaries.runner import default_report_dir, new_run_id
 
-    check_engine_python(args.engine_python, args.memory, "local")
+    if args.runtime == "sglang-server":
+        from canaries.releases.venvs import find_python
+
+        if args.engine_python is None:
+            found = find_python("0.5.23", server=True)
+            if found is None:
+                raise UsageError("--runtime sglang-server: no server venv here "
+                                 "(bash scripts/make-sglang-venv.sh --server), or give --engine-python")
+            args.engine_python = str(found)
+    elif args.engine_python is None:
+        raise UsageError("--engine-python is required (an interpreter with sglang: scripts/make-sglang-venv.sh)")
+    else:
+        check_engine_python(args.engine_python, args.memory, "local")
     scenarios = select(load_scenarios(args.paths), args.k)
     if not scenarios:
         raise UsageError("no scenario matches the selection")
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"parity-{new_run_id()}")
     try:
-        result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs, memory=args.memory)
+        result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs, memory=args.memory,
+                            runtime=args.runtime)
     except (RuntimeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.to_markdown())

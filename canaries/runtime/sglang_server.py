@@ -11,6 +11,7 @@ and on Ctrl-C): no orphans.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -22,7 +23,8 @@ from pathlib import Path
 import requests
 
 from canaries.runtime import safety
-from canaries.server.launch import ServerLaunch
+from canaries.runtime.warm import WarmProcess, fork_server, start_mode
+from canaries.server.launch import ServerLaunch, import_env
 from canaries.server.model import ServerModel
 from canaries.server.scheduler_plugin import EVENT_LOG_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
@@ -33,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
 READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
 PORT_ATTEMPTS = 3  # a port taken under the server before it binds: start again on another
+FORK_PARENT = "canaries.server.fork_parent"
 
 
 class ServerStartError(RuntimeError):
@@ -64,12 +67,15 @@ class SGLangServer:
     """One SGLang server for one engine configuration."""
 
     def __init__(self, python: str | os.PathLike, config: EngineConfig, *, device: str = "cpu",
-                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout: float = READY_TIMEOUT_S, start: str = "auto") -> None:
         self.python = str(python)
         self.config = config
         self.device = device
         self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen | None = None
+        # warm: forked from the warm parent (`canaries.server.fork_parent`); fresh: its own
+        # `python -m sglang.launch_server`. auto: warm on a CPU, fresh where CUDA could be touched.
+        self.start_mode = start_mode(start, device)
+        self.proc: subprocess.Popen | WarmProcess | None = None
         self.log_path: Path | None = None
         self.event_log: Path | None = None
         self.progress_path: Path | None = None
@@ -107,12 +113,16 @@ class SGLangServer:
         self.progress_path = run_dir / "progress"
         env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
                EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path)}
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         safety.install_sigterm_handler()
         started = time.monotonic()
-        self.proc = subprocess.Popen(self.launch.argv(self.python), stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, env=env, cwd=run_dir,
-                                     start_new_session=True)
+        if self.start_mode == "warm":
+            parent = fork_server(self.python, module=FORK_PARENT,
+                                 env={**import_env(self.device), "PYTHONPATH": env["PYTHONPATH"]})
+            self.proc = parent.spawn(self.launch.args(), env, self.log_path, cwd=run_dir)
+        else:
+            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(self.launch.argv(self.python), stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                         cwd=run_dir, start_new_session=True)
         safety.register(self)
         self.base_url = f"http://127.0.0.1:{self.launch.port}"
         deadline = started + self.ready_timeout
@@ -181,6 +191,13 @@ class SGLangServer:
         self.stop()
 
 
+@functools.cache
+def _release_of(python: str) -> str | None:
+    from canaries.releases.venvs import installed_version
+
+    return installed_version(Path(python))
+
+
 class ServerUnsupported(RuntimeError):
     """The scenario asks for something this runtime cannot do on SGLang's server; the message
     names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
@@ -212,14 +229,14 @@ class SGLangServerRuntime:
     (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
     armed in its scheduler process, its events from its own log (canaries/server/)."""
 
-    start_mode = "fresh"
     # No step for this long with requests outstanding is a hang: a fresh server's first forward on
     # a loaded two-core CPU (lazy initialisation, the canary's kernels in Triton's interpreter) has
     # taken over a minute here.
     stall_s = 240.0
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
-                 engine_root: str | os.PathLike | None = None, device: str = "cpu", **_: object) -> None:
+                 engine_root: str | os.PathLike | None = None, device: str = "cpu", start: str | None = None,
+                 **_: object) -> None:
         if engine_root is not None:
             raise ServerUnsupported("the sglang-server runtime runs SGLang's code: another engine_stub "
                                     "(a catalogue mutant, another commit) does not apply")
@@ -235,6 +252,10 @@ class SGLangServerRuntime:
         self.ready_timeout = max(ready_timeout, READY_TIMEOUT_S)
         self.server: SGLangServer | None = None
         self.exit_code: int | None = None
+        # auto | warm | fresh, as the local runtime's (CANARY_ENGINE_START); the mode that ran is
+        # `start_mode`.
+        self.requested_start = start or os.environ.get("CANARY_ENGINE_START") or "auto"
+        self.start_mode: str | None = None
 
     @property
     def running(self) -> bool:
@@ -248,10 +269,12 @@ class SGLangServerRuntime:
         spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
         reasons = unsupported_kinds(list(spec.get("perturbations") or []))
         if reasons:
-            raise ServerUnsupported("; ".join(reasons))
+            self._unsupported(run_dir, "; ".join(reasons))
         knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
         config = config_from_sources(overrides=knobs, environ={})
-        self.server = SGLangServer(self.python, config, device=self.device, ready_timeout=self.ready_timeout)
+        self.server = SGLangServer(self.python, config, device=self.device, ready_timeout=self.ready_timeout,
+                                   start=self.requested_start)
+        self.start_mode = self.server.start_mode
         extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
         try:
             return self.server.start(run_dir, extra)
@@ -261,6 +284,26 @@ class SGLangServerRuntime:
             # Its scheduler died by one of its own checks before it served: that is the engine's
             # verdict (its events say which), not the harness's; every request will find it dead.
             return self.server.base_url
+
+    @staticmethod
+    def _unsupported(run_dir: str | os.PathLike, reason: str) -> None:
+        """Refuse the scenario: the reason is its INCONCLUSIVE verdict's, and the run dir's note
+        (`canary parity` counts it unsupported, not unexplained)."""
+        from canaries.parity import UNSUPPORTED_NOTE
+
+        with contextlib.suppress(OSError):
+            Path(run_dir, UNSUPPORTED_NOTE).write_text(reason + "\n", encoding="utf-8")
+        raise ServerUnsupported(reason)
+
+    def server_record(self) -> dict | None:
+        """What a verdict records of the server: SGLang's release, its command line and the
+        variables the launch set (None before a start)."""
+        server = self.server
+        if server is None or server.launch is None:
+            return None
+        return {"sglang_version": _release_of(self.python), "python": self.python,
+                "args": server.launch.args(), "env": server.launch.env(PLUGIN_DIR, REPO_ROOT),
+                "start_mode": server.start_mode, "started_s": round(server.started_s, 3)}
 
     def _crashed(self) -> bool:
         import json

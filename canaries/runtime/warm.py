@@ -40,6 +40,7 @@ SERVER_READY_TIMEOUT_S = 300.0  # torch imports slowly on a loaded runner; a dea
 # How long a fork request may wait for its pid: the server forks one engine at a time, and a
 # fork is slow on a loaded machine (each copies the page tables of a process with torch in it).
 FORK_ANSWER_TIMEOUT_S = 60.0
+ENGINE_FORK_SERVER = "engine_stub.forkserver"
 
 
 def start_mode(requested: str, device: str | None) -> str:
@@ -148,20 +149,25 @@ class ForkServer:
     """The harness's handle on one running fork server."""
 
     def __init__(self, python: str | None = None, engine_root: str | os.PathLike | None = None,
-                 preload: tuple[str, ...] = ()) -> None:
+                 preload: tuple[str, ...] = (), module: str = ENGINE_FORK_SERVER,
+                 env: tuple[tuple[str, str], ...] = ()) -> None:
+        """Start `python -m MODULE SOCKET` (a fork server speaking `engine_stub.forkproto`),
+        with `env` over this process's environment."""
         self.python = python or sys.executable
         self.engine_root = str(engine_root) if engine_root is not None else None
         self.preload = tuple(preload)
+        self.module = module
         self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
         self.socket_path = str(self._dir / "sock")
-        env = dict(os.environ)
+        env_overrides, env = env, dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         env[PRELOAD_ENV] = ",".join(self.preload)
+        env.update(dict(env_overrides))
         self.log_path = self._dir / "forkserver.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "engine_stub.forkserver", self.socket_path],
+                [self.python, "-m", self.module, self.socket_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, cwd=self._dir,  # see LocalRuntime.start: no shadowing
             )
@@ -248,21 +254,24 @@ def _readline(stream, timeout: float) -> str:
     return stream.readline().decode("utf-8", "replace") if readable else ""
 
 
-_SERVERS: dict[tuple[str, str | None, tuple[str, ...]], ForkServer] = {}
+_ServerKey = tuple[str, "str | None", tuple[str, ...], str, tuple[tuple[str, str], ...]]
+_SERVERS: dict[_ServerKey, ForkServer] = {}
 _SERVER_LOCK = threading.Lock()
 
 
-def _key(python: str | None, engine_root: str | os.PathLike | None,
-         preload: tuple[str, ...] = ()) -> tuple[str, str | None, tuple[str, ...]]:
-    return python or sys.executable, str(engine_root) if engine_root is not None else None, tuple(preload)
+def _key(python: str | None, engine_root: str | os.PathLike | None, preload: tuple[str, ...] = (),
+         module: str = ENGINE_FORK_SERVER, env: dict[str, str] | None = None) -> _ServerKey:
+    return (python or sys.executable, str(engine_root) if engine_root is not None else None, tuple(preload),
+            module, tuple(sorted((env or {}).items())))
 
 
 def fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None,
-                preload: tuple[str, ...] = ()) -> ForkServer:
+                preload: tuple[str, ...] = (), module: str = ENGINE_FORK_SERVER,
+                env: dict[str, str] | None = None) -> ForkServer:
     """This process's fork server for `python`, the engine sources under `engine_root` (None:
-    this checkout's) and the extra modules to `preload`, started on first use (and again if it
-    died)."""
-    key = _key(python, engine_root, preload)
+    this checkout's), the extra modules to `preload`, the server `module` and its `env`, started
+    on first use (and again if it died)."""
+    key = _key(python, engine_root, preload, module, env)
     with _SERVER_LOCK:
         server = _SERVERS.get(key)
         if server is not None and not server.alive:

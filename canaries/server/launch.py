@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine_stub.config import EngineConfig
 
-__all__ = ["INVARIANT_LEVELS", "ServerLaunch", "refusals"]
+__all__ = ["INVARIANT_LEVELS", "ServerLaunch", "import_env", "refusals"]
 
 # SGLANG_INVARIANT_CHECK: 0 off, 1 warn (count and log), 2 strict (raise).
 INVARIANT_LEVELS = {"off": "0", "warn": "1", "strict": "2"}
@@ -45,10 +45,14 @@ class ServerLaunch:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
     def argv(self, python: str) -> list[str]:
+        """The command line of a fresh server."""
+        return [python, "-m", "sglang.launch_server", *self.args()]
+
+    def args(self) -> list[str]:
+        """`sglang.launch_server`'s arguments (what a warm parent's fork runs with)."""
         c = self.config
         ratio = c.swa_pool_tokens / c.full_pool_tokens
-        args = [python, "-m", "sglang.launch_server",
-                "--model-path", str(self.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
+        args = ["--model-path", str(self.model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
                 "--device", self.device, "--dtype", "float32",
                 "--context-length", str(c.max_context_len),
                 "--max-total-tokens", str(c.full_pool_tokens),
@@ -87,12 +91,26 @@ class ServerLaunch:
             "PYTHONPATH": f"{plugin_dir}:{repo_root}",
             "PYTHONUNBUFFERED": "1",
         }
-        if self.device == "cpu":
-            # Without it SGLang takes the CUDA path for its CPU tensors (the rotary embedding then
-            # imports vllm's ops); one intra-op thread, as every engine of the suite gets.
-            env.update({"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"})
-            if self.config.kv_canary != "off":
-                # The canary's phase checker and token scatter exist only as Triton kernels
-                # (utils/phase_checker.py, kv_canary): Triton's interpreter runs them on a CPU.
-                env["TRITON_INTERPRET"] = "1"
+        env.update(import_env(self.device))
         return env
+
+
+def import_env(device: str) -> dict[str, str]:
+    """The variables SGLang (and torch, Triton) read when their modules are imported: the same
+    for a fresh server and for the warm parent its forked servers share (`fork_parent`)."""
+    if device != "cpu":
+        return {}
+    return {
+        # Without it SGLang takes the CUDA path for its CPU tensors (the rotary embedding then
+        # imports vllm's ops); one intra-op thread, as every engine of the suite gets.
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "OMP_NUM_THREADS": "1",
+        # The canary's phase checker and token scatter exist only as Triton kernels
+        # (utils/phase_checker.py, kv_canary): Triton's interpreter runs them on a CPU. Read when
+        # a kernel is defined, so set whether or not this server's canary is on.
+        "TRITON_INTERPRET": "1",
+        # The model's LayerNorm is torch.compile'd (models/commandr.py): on a CPU, inductor builds
+        # and probes C++ kernels for 16-18 s at the first forward of every server. Eager runs the
+        # same float32 ops on the memory path under test.
+        "TORCHDYNAMO_DISABLE": "1",
+    }

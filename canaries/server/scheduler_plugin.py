@@ -89,6 +89,9 @@ def _watch(scheduler_class: type) -> None:
         return
 
     def init(self, *args, **kwargs):
+        if not os.environ.get(EVENT_LOG_ENV):
+            original(self, *args, **kwargs)
+            return
         # Attached first: what SGLang logs while it builds its pools and caches counts too.
         handler = EventLogHandler(os.environ[EVENT_LOG_ENV], self)
         logging.getLogger("sglang").addHandler(handler)
@@ -161,7 +164,8 @@ def _arm(scheduler: object, spec_path: str, write) -> None:
     scheduler._canary_perturber = (perturber, facade)
 
 
-def install() -> None:
-    """Watch SGLang's scheduler where an event log is asked for (idempotent)."""
-    if os.environ.get(EVENT_LOG_ENV):
+def install(always: bool = False) -> None:
+    """Watch SGLang's scheduler where an event log is asked for, or `always` (a warm parent whose
+    forked servers each name theirs); idempotent."""
+    if always or os.environ.get(EVENT_LOG_ENV):
         after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))
