@@ -22,7 +22,7 @@ from canaries.divergences import PARITY_DIR, known_divergences
 SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences, release by release
 UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
 
-__all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
+__all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "judge_parity", "rejudge", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
            "lost_sglang_hits", "run_parity", "unsupported_reason"]
 
 
@@ -144,6 +144,12 @@ def unsupported_reason(run_dir: Path) -> str:
     return match.group(1).strip() if match else ""
 
 
+def _refused(record: Any) -> str:
+    """A runtime's refusal of the scenario (`ServerUnsupported: why` in its reason), or ""."""
+    _, found, why = str(record.reason).partition("ServerUnsupported: ")
+    return why.strip() if found else ""
+
+
 def detectors_of(record: Any) -> tuple[str, ...]:
     return tuple(sorted({f.get("detector") or f.get("name") for f in (record.firings or [])
                          if isinstance(f, dict)} - {None}))
@@ -192,7 +198,6 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
     records) or `sglang-allocator` (its allocator under our tree and row table).
     `runtime="sglang-server"`: SGLang's side is its real server (`engine_python` the server
     venv's interpreter), held to configs/parity/server/."""
-    from canaries.report.atomic import write_atomic
     from canaries.runner import run_many
 
     report_dir = Path(report_dir)
@@ -204,15 +209,50 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
     else:
         sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory=memory,
                           engine_python=engine_python)
+    return judge_parity(report_dir, version, native, sglang, runtime)
+
+
+def judge_parity(report_dir: Path, version: str, native: list[Any], sglang: list[Any],
+                 runtime: str = "local") -> ParityResult:
+    """Compare the two sides' records (run now, or read back by `rejudge`) against the known
+    divergences; write parity.md and parity.json into `report_dir`."""
+    from canaries.report.atomic import write_atomic
+
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
-    unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) for r in sglang}
+    unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) or _refused(r)
+                   for r in sglang}
     known = known_divergences(version, SERVER_PARITY_DIR if runtime == "sglang-server" else PARITY_DIR)
     rows = compare(native, sglang, known.entries, lost, unsupported)
     result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir,
                           known.describe(), "server" if runtime == "sglang-server" else "memory path")
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(
-        {"sglang_version": version, "divergences": known.describe(),
+        {"sglang_version": version, "runtime": runtime, "divergences": known.describe(),
          "divergence_files": [str(f) for f in known.files], "rows": [r.to_dict() for r in rows],
          "native_failures": result.native_failures, "ok": result.ok}, indent=2).encode() + b"\n")
     return result
+
+
+def rejudge(report_dir: str | Path, engine_python: str | None = None, runtime: str | None = None) -> ParityResult:
+    """Judge an existing parity report again (its runs are kept: after a known-divergence file
+    changed, nothing reruns). The release and runtime are the report's (parity.json), else
+    `engine_python`'s release and `runtime` (default local)."""
+    from types import SimpleNamespace
+
+    report_dir = Path(report_dir)
+    sides = []
+    for side in ("native", "sglang"):
+        path = report_dir / side / "verdicts.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file (not a parity report, or its {side} run never started)")
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        sides.append([SimpleNamespace(**{"firings": [], "latency": {}, "reason": "", "passed": False, **r})
+                      for r in rows if "scenario" in r and "verdict" in r])
+    previous = report_dir / "parity.json"
+    before = json.loads(previous.read_text(encoding="utf-8")) if previous.is_file() else {}
+    version, runtime = before.get("sglang_version"), runtime or before.get("runtime") or "local"
+    if version is None:
+        if engine_python is None:
+            raise ValueError(f"{report_dir}: no parity.json to name the release: give --engine-python")
+        version = engine_sglang_version(engine_python)
+    return judge_parity(report_dir, version, *sides, runtime)

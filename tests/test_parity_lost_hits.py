@@ -49,3 +49,28 @@ def test_compare_marks_a_release_refusal_unsupported_not_unexplained(tmp_path: P
     refused = SimpleNamespace(scenario="s", verdict="INCONCLUSIVE", firings=[], latency={})
     assert compare([native], [refused], {}, {}, {"s": why})[0].status == "unsupported"
     assert compare([native], [refused], {}, {}, {})[0].status == "unexplained"
+
+
+def _write_side(report: Path, side: str, rows: list[dict]) -> None:
+    (report / side).mkdir(parents=True, exist_ok=True)
+    (report / side / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_rejudge_reads_a_report_back_and_counts_a_server_refusal_unsupported(tmp_path: Path) -> None:
+    from canaries.parity import rejudge
+
+    base = {"firings": [], "latency": {}, "passed": True}
+    _write_side(tmp_path, "native", [{**base, "scenario": "a", "verdict": "CLEAN"},
+                                     {**base, "scenario": "b", "verdict": "DETECTED"},
+                                     {**base, "scenario": "c", "verdict": "DETECTED"}])
+    _write_side(tmp_path, "sglang", [
+        {**base, "scenario": "a", "verdict": "CLEAN"},
+        {**base, "scenario": "b", "verdict": "INCONCLUSIVE",
+         "reason": "harness error: ServerUnsupported: another engine_stub does not apply"},
+        {**base, "scenario": "c", "verdict": "MISSED"}])
+    (tmp_path / "parity.json").write_text(json.dumps({"sglang_version": "0.0.1", "runtime": "sglang-server"}))
+    result = rejudge(tmp_path)
+    assert [(r.scenario, r.status) for r in result.rows] == [("a", "same"), ("b", "unsupported"),
+                                                             ("c", "unexplained")]
+    assert "another engine_stub" in result.rows[1].reason and not result.ok
+    assert "(server)" in (tmp_path / "parity.md").read_text()

@@ -42,7 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fuzz.add_argument("--seed", type=int, default=0, help="the campaign's seed (default 0)")
     fuzz.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     fuzz.add_argument("--report-dir", metavar="DIR", help="default: reports/fuzz-<run-id>/")
-    fuzz.add_argument("--runtime", default="local", help="local (default) | docker")
+    fuzz.add_argument("--runtime", default="local",
+                      help="local (default) | docker | sglang-server (SGLang's own server; draws it cannot "
+                           "run are inconclusive)")
     fuzz.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                       help="override every generated scenario's engine.device")
     fuzz.add_argument("--shrink-steps", type=int, default=16, metavar="N",

@@ -15,6 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parity = sub.add_parser("parity", help="compare verdicts on native vs SGLang's own memory path")
     parity.add_argument("paths", nargs="*", metavar="PATHS", help="scenario files (default: the library)")
     parity.add_argument("-k", dest="k", metavar="EXPR", help="select scenarios by name")
+    parity.add_argument("--shard", metavar="I/N", help="compare every Nth scenario starting at I-1")
     parity.add_argument("--engine-python", metavar="PATH",
                         help="an interpreter with sglang (scripts/make-sglang-venv.sh); with --runtime "
                              "sglang-server, default the server venv's")
@@ -25,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="SGLang's side: every part the release has (default) or its allocator alone")
     parity.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     parity.add_argument("--report-dir", metavar="DIR", help="default: reports/parity-<run-id>/")
+    parity.add_argument("--rejudge", metavar="DIR",
+                        help="judge this parity report's runs again against today's known divergences "
+                             "(nothing reruns)")
     parity.set_defaults(func=run)
 
 
@@ -32,8 +36,16 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from canaries.commands.run import check_engine_python, select
-    from canaries.parity import run_parity
+    from canaries.parity import rejudge, run_parity
     from canaries.runner import default_report_dir, new_run_id
+
+    if args.rejudge:
+        try:
+            result = rejudge(args.rejudge, args.engine_python, args.runtime if args.runtime != "local" else None)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--rejudge: {exc}") from None
+        print(result.to_markdown())
+        return EXIT_OK if result.ok else EXIT_FAILED
 
     if args.runtime == "sglang-server":
         from canaries.releases.venvs import find_python
@@ -48,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--engine-python is required (an interpreter with sglang: scripts/make-sglang-venv.sh)")
     else:
         check_engine_python(args.engine_python, args.memory, "local")
-    scenarios = select(load_scenarios(args.paths), args.k)
+    scenarios = select(load_scenarios(args.paths), args.k, args.shard)
     if not scenarios:
         raise UsageError("no scenario matches the selection")
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"parity-{new_run_id()}")

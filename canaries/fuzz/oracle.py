@@ -88,11 +88,15 @@ def _unserved(responses: list[dict]) -> list[str]:
             and (r.get("status") != 200 or r.get("error"))]
 
 
-def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: Any) -> list[str]:
+def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: Any, run_dir: Path) -> list[str]:
     """What is wrong with a run nothing detected (empty: the engine absorbed the damage)."""
     from canaries.driver import make_plan
     from canaries.runner import oracle_mismatches
 
+    if record.extra.get("runtime") == "sglang-server":
+        # SGLang's server has no census of ours (its own idle check is a detector, and fires as
+        # one); the runner compared its answers with a clean server's.
+        return ["answers"] if (run_dir / "oracle_mismatches.jsonl").is_file() else []
     idle = [e for e in events if e.get("kind") == "idle_check"]
     if not idle:
         return ["no idle check"]
@@ -168,12 +172,15 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
     if unseeable:
         return judged("disabled", f"nothing fired: every detector of {', '.join(unseeable)} is "
                                   "off in this engine (the run shows what it costs: "
-                                  f"{', '.join(_symptoms(scenario, events, responses, record)) or 'nothing'})")
+                                  f"{', '.join(_symptoms(scenario, events, responses, record, run_dir)) or 'nothing'})")
     unserved = _unserved(responses)
     if unserved:
         return judged("unserved", f"nothing fired, yet {', '.join(unserved[:5])} not served as planned",
                       _levels(scenario))
-    symptoms = _symptoms(scenario, events, responses, record)
+    symptoms = _symptoms(scenario, events, responses, record, run_dir)
+    if not symptoms and record.extra.get("runtime") == "sglang-server":
+        return judged("absorbed", "nothing fired; answers equal to a clean server's (SGLang's server: "
+                                  "no census proves the memory state)")
     if not symptoms:
         return judged("absorbed", "nothing fired; ledgers balanced, no slot held twice, answers "
                                   "equal to the no-cache oracle")
