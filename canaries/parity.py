@@ -191,13 +191,14 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
 
 
 def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str, *, jobs: int = 1,
-               memory: str = "sglang", runtime: str = "local") -> ParityResult:
+               memory: str = "sglang", runtime: str = "local", device: str | None = None) -> ParityResult:
     """Run `scenarios` on both sides into `report_dir/{native,sglang}`; the comparison.
 
     `memory`: SGLang's side, `sglang` (every part the release has; what configs/parity/
     records) or `sglang-allocator` (its allocator under our tree and row table).
     `runtime="sglang-server"`: SGLang's side is its real server (`engine_python` the server
-    venv's interpreter), held to configs/parity/server/."""
+    venv's interpreter), held to configs/parity/server/. `device`: SGLang's side's (ours runs
+    where the harness is: its verdicts are the same on either)."""
     from canaries.runner import run_many
 
     report_dir = Path(report_dir)
@@ -205,10 +206,10 @@ def run_parity(scenarios: list[Any], report_dir: str | Path, engine_python: str,
     native = run_many(scenarios, report_dir / "native", jobs=jobs, progress=False)
     if runtime == "sglang-server":
         sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, runtime=runtime,
-                          engine_python=engine_python)
+                          engine_python=engine_python, device=device)
     else:
         sglang = run_many(scenarios, report_dir / "sglang", jobs=jobs, progress=False, memory=memory,
-                          engine_python=engine_python)
+                          engine_python=engine_python, device=device)
     return judge_parity(report_dir, version, native, sglang, runtime)
 
 

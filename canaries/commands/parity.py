@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "own server (known divergences: configs/parity/server/)")
     parity.add_argument("--memory", choices=("sglang", "sglang-allocator"), default="sglang",
                         help="SGLang's side: every part the release has (default) or its allocator alone")
+    parity.add_argument("--device", choices=("cpu", "cuda"), help="SGLang's side's device (e.g. its server on CUDA); ours runs on the harness's")
     parity.add_argument("--jobs", "-j", type=int, default=1, help="scenarios run at once")
     parity.add_argument("--report-dir", metavar="DIR", help="default: reports/parity-<run-id>/")
     parity.add_argument("--rejudge", metavar="DIR",
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"parity-{new_run_id()}")
     try:
         result = run_parity(scenarios, report, args.engine_python, jobs=args.jobs, memory=args.memory,
-                            runtime=args.runtime)
+                            runtime=args.runtime, device=args.device)
     except (RuntimeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     print(result.to_markdown())

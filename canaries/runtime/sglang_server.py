@@ -272,8 +272,8 @@ class SGLangServerRuntime:
             self._unsupported(run_dir, "; ".join(reasons))
         knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
         config = config_from_sources(overrides=knobs, environ={})
-        self.server = SGLangServer(self.python, config, device=self.device, ready_timeout=self.ready_timeout,
-                                   start=self.requested_start)
+        self.server = SGLangServer(self.python, config, device=self._device_of(spec),
+                                   ready_timeout=self.ready_timeout, start=self.requested_start)
         self.start_mode = self.server.start_mode
         extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
         try:
@@ -284,6 +284,15 @@ class SGLangServerRuntime:
             # Its scheduler died by one of its own checks before it served: that is the engine's
             # verdict (its events say which), not the harness's; every request will find it dead.
             return self.server.base_url
+
+    def _device_of(self, spec: dict) -> str:
+        """The scenario's device (`--device` lands in its spec), else the runtime's: cpu or cuda."""
+        from canaries.runtime.warm import has_cuda_device
+
+        device = str((spec.get("engine") or {}).get("device") or self.device)
+        if device == "auto":
+            return "cuda" if has_cuda_device() else "cpu"
+        return "cuda" if device.startswith("cuda") else "cpu"
 
     @staticmethod
     def _unsupported(run_dir: str | os.PathLike, reason: str) -> None:

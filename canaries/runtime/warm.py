@@ -31,7 +31,7 @@ from pathlib import Path
 
 from engine_stub.forkproto import SERVER_READY_LINE, ForkProtocolError, LineReader, parse_message
 
-__all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server",
+__all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server", "has_cuda_device",
            "prestart", "start_mode"]
 
 START_MODES = ("auto", "warm", "fresh")
@@ -48,13 +48,13 @@ def start_mode(requested: str, device: str | None) -> str:
     if requested not in START_MODES:
         raise ValueError(f"start mode {requested!r}: valid modes: {', '.join(START_MODES)}")
     forkable = hasattr(os, "fork") and sys.platform.startswith("linux")
-    cuda = device == "cuda" or (device in (None, "auto") and _has_cuda_device())
+    cuda = device == "cuda" or (device in (None, "auto") and has_cuda_device())
     if requested == "fresh" or not forkable or cuda:
         return "fresh"
     return "warm"
 
 
-def _has_cuda_device() -> bool:
+def has_cuda_device() -> bool:
     # Without importing torch (which a CUDA query would initialise): the driver's device nodes.
     return any(Path("/dev").glob("nvidia[0-9]*"))
 
