@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from canaries.server.site_hooks import req_state as _state
 from engine_stub.perturb.sites import ReqState
 from engine_stub.perturb.view import TableView
 
-__all__ = ["SGLangView", "SchedulerFacade"]
+__all__ = ["SGLangView", "SchedulerFacade", "radix_slots"]
 
 
 def _reqs(scheduler: Any) -> list[Any]:
@@ -30,11 +31,6 @@ def _reqs(scheduler: Any) -> list[Any]:
     if chunked is not None and chunked not in reqs:
         reqs.insert(0, chunked)
     return [r for r in reqs if getattr(r.kv, "req_pool_idx", None) is not None]
-
-
-def _state(req: Any) -> ReqState:
-    kv = req.kv
-    return ReqState(str(req.rid), int(kv.req_pool_idx), int(kv.kv_committed_len), int(kv.max_evicted_seqlen))
 
 
 class SGLangView(TableView):
@@ -74,8 +70,25 @@ class SGLangView(TableView):
         return 0, pool.k_buffer[0][pool_row].view(-1).view(torch.uint8)
 
     def radix_held_slots(self) -> list[int]:
-        # SGLang's tree is not walked here yet: a kind that needs cached slots finds none.
-        return []
+        tree_cache = getattr(self._scheduler, "tree_cache", None)
+        core = getattr(tree_cache, "tree_core", None)
+        if not self.has_radix_cache or core is None:
+            return []
+        return radix_slots(core.root_node)
+
+
+def radix_slots(root: Any) -> list[int]:
+    """The FULL slots every node below `root` of SGLang's unified tree holds (`component_data`
+    is indexed by `ComponentType`, FULL = 0; a node evicted from the device holds None)."""
+    slots: list[int] = []
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        value = node.component_data[0].value
+        if isinstance(value, torch.Tensor):
+            slots.extend(int(v) for v in value.reshape(-1).tolist())
+        stack.extend(node.children.values())
+    return sorted(slots)
 
 
 class _Events:
