@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from canaries.server import site_hooks
-from canaries.server.sglang_view import SchedulerFacade, SGLangView, radix_slots
+from canaries.server.sglang_view import SchedulerFacade, SGLangView
 from engine_stub.perturb.perturber import Perturber
 from engine_stub.perturb.spec import parse_perturbations
 
@@ -199,10 +199,12 @@ def test_unfinished_insert_live_head_sets_the_inserts_evicted_length_at_a_chunk_
     assert set_to == [4] and events[0]["head"] == [4, 12]
 
 
-def test_radix_slots_walks_every_node_below_the_root() -> None:
-    def node(value, *children):
-        return SimpleNamespace(component_data=[SimpleNamespace(value=value)],
-                               children=dict(enumerate(children)))
-
-    root = node(None, node(torch.tensor([5, 6]), node(torch.tensor([9]))), node(None, node(torch.tensor([2]))))
-    assert radix_slots(root) == [2, 5, 6, 9]
+def test_radix_held_slots_are_the_tree_cores_own_walk() -> None:
+    walk = SimpleNamespace(slot_indices=torch.tensor([9, 2, 5]))
+    core = SimpleNamespace(walk_for_kv_canary=lambda **flags: walk if flags == {
+        "unlocked_only": False, "swa_resident_only": False} else None)
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(tree_core=core),
+                                server_args=SimpleNamespace(disable_radix_cache=False))
+    assert SGLangView(scheduler, WINDOW, PAGE).radix_held_slots() == [2, 5, 9]
+    scheduler.server_args.disable_radix_cache = True
+    assert SGLangView(scheduler, WINDOW, PAGE).radix_held_slots() == []

@@ -21,7 +21,7 @@ from canaries.server.site_hooks import req_state as _state
 from engine_stub.perturb.sites import ReqState
 from engine_stub.perturb.view import TableView
 
-__all__ = ["SGLangView", "SchedulerFacade", "radix_slots"]
+__all__ = ["SGLangView", "SchedulerFacade"]
 
 
 def _reqs(scheduler: Any) -> list[Any]:
@@ -74,21 +74,10 @@ class SGLangView(TableView):
         core = getattr(tree_cache, "tree_core", None)
         if not self.has_radix_cache or core is None:
             return []
-        return radix_slots(core.root_node)
-
-
-def radix_slots(root: Any) -> list[int]:
-    """The FULL slots every node below `root` of SGLang's unified tree holds (`component_data`
-    is indexed by `ComponentType`, FULL = 0; a node evicted from the device holds None)."""
-    slots: list[int] = []
-    stack = list(root.children.values())
-    while stack:
-        node = stack.pop()
-        value = node.component_data[0].value
-        if isinstance(value, torch.Tensor):
-            slots.extend(int(v) for v in value.reshape(-1).tolist())
-        stack.extend(node.children.values())
-    return sorted(slots)
+        # The tree core's own flat walk (its KV canary's sweep reads the same): 0.5.23's default
+        # core is Rust-backed and has no Python nodes to walk (`root_node` raises there).
+        walk = core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
+        return sorted(int(v) for v in walk.slot_indices.tolist())
 
 
 class _Events:
