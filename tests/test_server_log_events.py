@@ -110,3 +110,14 @@ def test_a_traceback_quoting_sglangs_source_line_is_no_firing() -> None:
     assert events_of_line(quoted, step=2) == []
     record = "Scheduler hit an exception: Traceback\n" + quoted + "\n" + FAILED_LINE
     assert [detector_of(e) for e in events_of_record(record, step=2)] == ["swa.peer_mapped", None]
+
+
+def test_token_pool_leak_report_names_each_pool_whose_ledger_does_not_balance() -> None:
+    record = ("pool memory leak detected! [full] total=2048, available=1612, evictable=356, protected=41, "
+              "session_held=0, uncached=0\n[swa] total=320, available=80, evictable=201, protected=16, "
+              "session_held=0, uncached=0")
+    assert [e["invariant"] for e in events_of_record(record)] == ["idle.full_ledger", "idle.swa_ledger"]
+    swa_only = ("[2026-12-04 19:19:20] pool memory leak detected! [full] total=8, available=8, evictable=0, "
+                "protected=0, session_held=0, uncached=0\n[swa] total=4, available=1, evictable=0, protected=0, "
+                "session_held=0, uncached=0")
+    assert [e["invariant"] for e in events_of_record(swa_only)] == ["idle.swa_ledger"]

@@ -138,11 +138,13 @@ def test_launch_refuses_knobs_the_server_cannot_express(tmp_path: Path) -> None:
         ServerLaunch(config, tmp_path, 31000)
 
 
-def test_only_kinds_with_a_hook_in_sglangs_scheduler_are_placed_there() -> None:
-    from canaries.runtime.sglang_server import unsupported_kinds
+def test_only_kinds_with_a_hook_in_sglangs_scheduler_are_placed_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    from canaries.runtime import sglang_server
+    from engine_stub.perturb.kinds import KINDS
 
-    assert unsupported_kinds([{"kind": "corrupt_req_to_token"}, {"kind": "flip_kv_byte"}]) == []
-    reasons = unsupported_kinds([{"kind": "skip_free_swa"}, {"kind": "no_such_kind"}])
+    assert sglang_server.unsupported_kinds([{"kind": name} for name in KINDS]) == []
+    monkeypatch.setattr(sglang_server, "HOOKED_SITES", ("before_step",))
+    reasons = sglang_server.unsupported_kinds([{"kind": "skip_free_swa"}, {"kind": "no_such_kind"}])
     assert reasons[0].startswith("perturbations[0]: kind skip_free_swa acts at on_window_eviction")
     assert reasons[1] == "perturbations[1]: unknown kind 'no_such_kind'"
 

@@ -81,3 +81,18 @@ def test_allocator_regression_is_missed_on_the_real_server(tmp_path: Path) -> No
     assert record.verdict == "MISSED", record.reason
     assert record.to_dict()["landed"], "the perturbation landed on SGLang's table"
     assert _processes_under(tmp_path) == []
+
+
+def test_window_eviction_kind_lands_in_sglangs_own_eviction_and_its_invariant_detects_it(tmp_path: Path) -> None:
+    """`double_free_swa` through the on_window_eviction hook (canaries/server/site_hooks.py, in
+    SGLang's `free_swa_out_of_window_slots`): the window eviction's slots are freed a second time,
+    and SGLang's own `free_swa` check (PR #36723's `swa.peer_mapped`) crashes the scheduler."""
+    _require_server_venv()
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "double-free-swa-page1.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server")
+    assert record.verdict == "DETECTED", record.reason
+    assert "swa.peer_mapped" in record.reason
+    (landed,) = record.to_dict()["landed"]
+    assert landed["perturbation"] == "double_free_swa" and landed["site"] == "on_window_eviction"
+    assert landed["after"]["freed_again"] == landed["before"]["freed"] != []
+    assert _processes_under(tmp_path) == []

@@ -208,19 +208,25 @@ class ServerUnsupported(RuntimeError):
 _HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device", "memory")
 
 
+# The engine's hook sites placed in SGLang's scheduler process: before_step by the plugin's
+# run_batch hook, the others by canaries/server/site_hooks.py (after_forward and cache_hit have no
+# kind yet, so no hook).
+HOOKED_SITES = ("before_step", "on_window_eviction", "on_request_finish", "on_sampling", "on_chunk_boundary")
+
+
 def unsupported_kinds(perturbations: list[dict]) -> list[str]:
     """Why each perturbation of a spec cannot be placed in SGLang's scheduler yet (empty: all can)."""
     from engine_stub.perturb.kinds import KINDS
-    from engine_stub.perturb.sites import Site
 
     reasons = []
     for index, spec in enumerate(perturbations):
         kind = KINDS.get(spec.get("kind"))
         if kind is None:
             reasons.append(f"perturbations[{index}]: unknown kind {spec.get('kind')!r}")
-        elif kind.site != Site.BEFORE_STEP:
+        elif kind.site.value not in HOOKED_SITES:
             reasons.append(f"perturbations[{index}]: kind {kind.name} acts at {kind.site.value}, "
-                           "a site with no hook in SGLang's scheduler yet (only before_step kinds run there)")
+                           "a site with no hook in SGLang's scheduler yet (hooked: "
+                           f"{', '.join(HOOKED_SITES)})")
     return reasons
 
 

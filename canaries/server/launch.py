@@ -90,6 +90,10 @@ class ServerLaunch:
             # The plugin directory first: its sitecustomize runs in every SGLang process.
             "PYTHONPATH": f"{plugin_dir}:{repo_root}",
             "PYTHONUNBUFFERED": "1",
+            # The engine's window-eviction cadence (a request evicts once a window past its last
+            # eviction, engine_stub/scheduler.py `swa_eviction_interval`): SGLang's default of 128
+            # tokens would never slide the window of a library request (about 40 decoded).
+            "SGLANG_SWA_EVICTION_INTERVAL": str(self.config.window),
         }
         env.update(import_env(self.device))
         return env

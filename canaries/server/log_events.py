@@ -41,8 +41,15 @@ _HIT_RE = re.compile(r"invariant-check \[(?P<name>[A-Za-z0-9_.]+)@rank\d+\]: \+(
 _FAILED_RE = re.compile(r"invariant-check FAILED \[(?P<name>[A-Za-z0-9_.]+)\]:?\s?(?P<msg>.*)")
 # managers/scheduler_components/invariant_checker.py: the idle memory check.
 _LEAK_RE = re.compile(r"(?P<pool>[\w ]+?) memory leak detected!")
-# Which idle ledger each of SGLang's leak reports is.
+# Which idle ledger each of SGLang's leak reports is (a token-pool report whose pool lines parse
+# is named by them instead).
 IDLE_LEDGERS = {"req_to_token_pool": "idle.req_rows_ledger", "pool": "idle.full_ledger"}
+# `_check_pool_invariant`'s message: available + evictable + protected + session_held + uncached
+# must equal total; the token-pool report joins one such line per pool.
+_POOL_LINE_RE = re.compile(r"(?:pool memory leak detected! |^)\[(?P<pool>full|swa)\] total=(?P<total>\d+), "
+                           r"available=(?P<available>\d+), evictable=(?P<evictable>\d+), "
+                           r"protected=(?P<protected>\d+), session_held=(?P<session_held>\d+), "
+                           r"uncached=(?P<uncached>\d+)")
 
 
 def _bucket(name: str) -> str:
@@ -91,10 +98,19 @@ def failed_events(line: str, step: int, level: str) -> list[dict]:
 
 def leak_events(line: str, step: int, level: str) -> list[dict]:
     match = _LEAK_RE.search(line)
-    if match is None:
+    pool_line = _POOL_LINE_RE.search(line.strip())
+    if match is None and pool_line is None:
         return []
-    pool = match["pool"].strip().split()[-1]
-    name = IDLE_LEDGERS.get(pool, f"idle.{pool}_ledger")
+    if pool_line is not None:
+        # One pool's ledger of SGLang's token-pool leak report (the report's first line carries
+        # [full], the next [swa]): only a pool whose ledger does not balance leaked.
+        counts = {k: int(v) for k, v in pool_line.groupdict().items() if k != "pool"}
+        if sum(v for k, v in counts.items() if k != "total") == counts["total"]:
+            return []
+        name = f"idle.{pool_line['pool']}_ledger"
+    else:
+        pool = match["pool"].strip().split()[-1]
+        name = IDLE_LEDGERS.get(pool, f"idle.{pool}_ledger")
     return [{"kind": "invariant_firing", "invariant": name, "bucket": _bucket(name), "level": level,
              "site": "sglang idle check", "msg": line.strip()[:500], "new_hits": 1, "total_hits": 1,
              "crashed": False, "step": step}]

@@ -8,6 +8,10 @@ step) and adds a handler to the `sglang` logger that passes every record through
 appends what they report to the event log `CANARY_SERVER_EVENT_LOG` names, one JSON object a line,
 flushed and fsynced before the record's own handlers run on (a crash that follows loses nothing).
 Nothing here raises into SGLang: a handler that fails is logging's own error.
+
+With a scenario's spec (`CANARY_SERVER_SPEC`) it also arms the perturbations: before each batch
+the before_step site, and through `site_hooks` the other sites, wrapped into SGLang's
+`mem_cache/common.py`, its unified cache's SWA component and its `Scheduler` as each is imported.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import os
 import threading
 import time
 import weakref
+from types import ModuleType
 
+from canaries.server import site_hooks
 from canaries.server.import_hooks import after_import
 from canaries.server.log_events import events_of_record, landing_of_line
 
@@ -34,6 +40,8 @@ PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
 # hang is no progress, not a slow CPU).
 PROGRESS_ENV = "CANARY_SERVER_PROGRESS"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+MEMORY_COMMON_MODULE = "sglang.srt.mem_cache.common"
+SWA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.swa"
 _LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
 
 
@@ -105,6 +113,32 @@ def _watch(scheduler_class: type) -> None:
     scheduler_class.__init__ = init
     if hasattr(scheduler_class, "run_batch") and hasattr(scheduler_class, "process_batch_result"):
         _hook_steps(scheduler_class)
+    for name, wrap in (("_relay_forward_payload", site_hooks.relay_sampled),
+                       ("stash_chunked_request", site_hooks.stash_chunked_request)):
+        if hasattr(scheduler_class, name):
+            setattr(scheduler_class, name, wrap(getattr(scheduler_class, name)))
+
+
+def _hook_memory_common(module: ModuleType) -> None:
+    """Window eviction and request release, wrapped where SGLang defines them: every module that
+    imports them by name afterwards (the scheduler, its batch-result processor, the unified
+    cache's SWA component) gets the wrapper."""
+    for name, wrap in (("free_swa_out_of_window_slots", site_hooks.window_eviction),
+                       ("release_kv_cache", site_hooks.release_kv_cache)):
+        function = getattr(module, name, None)
+        if function is not None and not hasattr(function, "__wrapped__"):
+            setattr(module, name, wrap(function))
+
+
+def _hook_swa_component(module: ModuleType) -> None:
+    """The unified cache's SWA component: its chunk-boundary insert (and, should it have bound
+    the window eviction before the wrapper existed, that too)."""
+    function = getattr(module, "free_swa_out_of_window_slots", None)
+    if function is not None and not hasattr(function, "__wrapped__"):
+        module.free_swa_out_of_window_slots = site_hooks.window_eviction(function)
+    component = getattr(module, "SWAComponent", None)
+    if component is not None and not hasattr(component.free_out_of_window_slots, "__wrapped__"):
+        component.free_out_of_window_slots = site_hooks.chunk_boundary(component.free_out_of_window_slots)
 
 
 def _hook_steps(scheduler_class: type) -> None:
@@ -162,10 +196,13 @@ def _arm(scheduler: object, spec_path: str, write) -> None:
     facade = SchedulerFacade(scheduler, window, page_size, write)
     perturber._view = SGLangView(scheduler, window, page_size)  # the kinds' view: SGLang's objects
     scheduler._canary_perturber = (perturber, facade)
+    site_hooks.arm(perturber, facade)
 
 
 def install(always: bool = False) -> None:
     """Watch SGLang's scheduler where an event log is asked for, or `always` (a warm parent whose
     forked servers each name theirs); idempotent."""
     if always or os.environ.get(EVENT_LOG_ENV):
+        after_import(MEMORY_COMMON_MODULE, _hook_memory_common)
+        after_import(SWA_COMPONENT_MODULE, _hook_swa_component)
         after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))

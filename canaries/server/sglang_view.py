@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from canaries.server.site_hooks import req_state as _state
 from engine_stub.perturb.sites import ReqState
 from engine_stub.perturb.view import TableView
 
@@ -30,11 +31,6 @@ def _reqs(scheduler: Any) -> list[Any]:
     if chunked is not None and chunked not in reqs:
         reqs.insert(0, chunked)
     return [r for r in reqs if getattr(r.kv, "req_pool_idx", None) is not None]
-
-
-def _state(req: Any) -> ReqState:
-    kv = req.kv
-    return ReqState(str(req.rid), int(kv.req_pool_idx), int(kv.kv_committed_len), int(kv.max_evicted_seqlen))
 
 
 class SGLangView(TableView):
@@ -74,8 +70,14 @@ class SGLangView(TableView):
         return 0, pool.k_buffer[0][pool_row].view(-1).view(torch.uint8)
 
     def radix_held_slots(self) -> list[int]:
-        # SGLang's tree is not walked here yet: a kind that needs cached slots finds none.
-        return []
+        tree_cache = getattr(self._scheduler, "tree_cache", None)
+        core = getattr(tree_cache, "tree_core", None)
+        if not self.has_radix_cache or core is None:
+            return []
+        # The tree core's own flat walk (its KV canary's sweep reads the same): 0.5.23's default
+        # core is Rust-backed and has no Python nodes to walk (`root_node` raises there).
+        walk = core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
+        return sorted(int(v) for v in walk.slot_indices.tolist())
 
 
 class _Events:
