@@ -16,6 +16,9 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: argparse._SubParsersAction) -> None:
     val = sub.add_parser("validate", help="check scenario files (file:line: field: message)")
     val.add_argument("paths", nargs="*", metavar="PATHS")
+    val.add_argument("--runtime", choices=("local", "docker", "sglang-server"), default="local",
+                     help="also what this runtime cannot run (sglang-server: the engine knobs and kinds "
+                          "SGLang's server cannot take, and planted engine regressions)")
     val.set_defaults(func=run)
 
 
@@ -24,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     files = scenario_files(args.paths)
     problems, warnings = check_paths(files)
+    if args.runtime == "sglang-server" and not problems:
+        problems = _server_refusals(files)
     for p in [*problems, *warnings]:
         sys.stdout.write(f"{p}\n")
     # Every problem line is out before the summary goes to the other stream: where both end up
@@ -36,3 +41,27 @@ def run(args: argparse.Namespace) -> int:
     noted = f" ({len(warnings)} warning(s))" if warnings else ""
     print(f"{len(files)} scenarios OK{noted}")
     return EXIT_OK
+
+
+def _server_refusals(files: list) -> list:
+    """What SGLang's server cannot run, as problems at the field's line."""
+    from pathlib import Path
+
+    from canaries.runtime.sglang_server import spec_refusals
+    from canaries.scenario import load_paths
+    from canaries.scenario.loader import engine_spec
+    from canaries.scenario.model import Problem
+    from canaries.scenario.yamldoc import read_doc
+
+    scenarios, _, _ = load_paths(files)
+    problems = []
+    for scenario in scenarios:
+        doc = read_doc(Path(scenario.path))
+        found = []
+        if scenario.regressions:
+            found.append(("regressions", "the server runs SGLang's code: the engine regressions a "
+                                         "scenario plants do not apply"))
+        found += spec_refusals(engine_spec(scenario))
+        problems += [Problem(scenario.path, doc.line(where), where, f"--runtime sglang-server: {why}")
+                     for where, why in found]
+    return problems

@@ -230,6 +230,26 @@ def unsupported_kinds(perturbations: list[dict]) -> list[str]:
     return reasons
 
 
+def spec_refusals(spec: dict) -> list[tuple[str, str]]:
+    """(field path, why) for each part of an engine spec (`runner.spec_for`, `engine_spec`) that
+    SGLang's server cannot run as the scenario means it; empty: it can. `canary validate
+    --runtime sglang-server` reports them with their lines; a run refuses the scenario."""
+    from canaries.server.launch import refusals
+    from engine_stub.config import ConfigError, config_from_sources
+
+    found = []
+    knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
+    try:
+        config = config_from_sources(overrides=knobs, environ={})
+    except ConfigError as exc:
+        return [("engine", str(exc))]
+    found += [(f"engine.{field}", why) for field, why in refusals(config)]
+    for reason in unsupported_kinds(list(spec.get("perturbations") or [])):
+        where, _, why = reason.partition(": ")
+        found.append((f"{where}.kind", why))
+    return found
+
+
 class SGLangServerRuntime:
     """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
     (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
@@ -273,9 +293,9 @@ class SGLangServerRuntime:
         from engine_stub.config import config_from_sources
 
         spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-        reasons = unsupported_kinds(list(spec.get("perturbations") or []))
+        reasons = spec_refusals(spec)
         if reasons:
-            self._unsupported(run_dir, "; ".join(reasons))
+            self._unsupported(run_dir, "; ".join(f"{where}: {why}" for where, why in reasons))
         knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}
         config = config_from_sources(overrides=knobs, environ={})
         self.server = SGLangServer(self.python, config, device=self._device_of(spec),
