@@ -121,3 +121,15 @@ def test_token_pool_leak_report_names_each_pool_whose_ledger_does_not_balance() 
                 "protected=0, session_held=0, uncached=0\n[swa] total=4, available=1, evictable=0, protected=0, "
                 "session_held=0, uncached=0")
     assert [e["invariant"] for e in events_of_record(swa_only)] == ["idle.swa_ledger"]
+
+
+def test_scheduler_death_by_the_allocators_bound_assert_is_alloc_pool_bound() -> None:
+    record = ("Scheduler hit an exception: Traceback (most recent call last):\n"
+              '  File "sglang/srt/mem_cache/allocator/swa.py", line 663, in free_group_end\n'
+              "    self.full_attn_allocator.available_size() <= self.full_attn_allocator.size\n"
+              "AssertionError\n")
+    firing, crash = events_of_record(record, step=82, level="STRICT")
+    assert detector_of(firing) == "alloc.pool_bound" and firing["crashed"] is True
+    assert crash["cause"] == "invariant" and crash["invariant"] == "alloc.pool_bound"
+    other = events_of_record("Scheduler hit an exception: Traceback\n    assert x < 3\nAssertionError\n", step=1)
+    assert [e["cause"] for e in other] == ["error"]

@@ -151,6 +151,20 @@ def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
 
 # managers/scheduler.py run_scheduler_process: the scheduler's last words before it dies.
 _SCHEDULER_DIED = "Scheduler hit an exception"
+# The allocator's bound (mem_cache/allocator/swa.py `free_group_end` and the hybrid `free`): a plain
+# `assert ...available_size() <= ...size`, which crashes at any invariant level. The memory-path
+# backend records the same assert as `alloc.pool_bound` (engine_stub/mem/sglang_backend.py).
+_POOL_BOUND_RE = re.compile(r"^\s*(?:assert\s+)?\(?\s*self\.\w+\.available_size\(\)\s*<=\s*self\.\w+\.size")
+
+
+def _pool_bound(text: str, step: int, level: str) -> dict | None:
+    """`alloc.pool_bound`'s firing where the traceback ends in the allocator's bound assert."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 2 or lines[-1].strip() != "AssertionError" or not _POOL_BOUND_RE.search(lines[-2]):
+        return None
+    return {"kind": "invariant_firing", "invariant": "alloc.pool_bound", "bucket": _bucket("alloc.pool_bound"),
+            "level": level, "site": "sglang", "msg": lines[-2].strip(), "new_hits": 1, "total_hits": 1,
+            "crashed": True, "step": step}
 
 
 def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
@@ -162,6 +176,10 @@ def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[d
         return events
     firings = [e for e in events if e["kind"] == "invariant_firing"]
     last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    bound = _pool_bound(text, step, level)
+    if bound is not None:
+        firings.append(bound)
+        events.append(bound)
     if firings:
         for firing in firings:
             firing["crashed"] = True
