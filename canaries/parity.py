@@ -161,18 +161,24 @@ def _first_latency(record: Any) -> int | None:
 
 
 def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
-            lost: dict[str, str] | None = None, unsupported: dict[str, str] | None = None) -> list[ParityRow]:
+            lost: dict[str, str] | None = None, unsupported: dict[str, str] | None = None,
+            comparable: frozenset[str] | None = None) -> list[ParityRow]:
     """One row per scenario; `lost` (scenario -> `lost_sglang_hits`) makes a row unexplained
     whatever its verdict: a hit SGLang counted and the engine never reported; `unsupported`
     (scenario -> `unsupported_reason`) makes an INCONCLUSIVE row `unsupported`: the release
-    cannot run that configuration here."""
+    cannot run that configuration here. `comparable`: the detectors both sides can report (the
+    server's set); None: all of them."""
+    def compared(record: Any) -> tuple[str, ...]:
+        found = detectors_of(record)
+        return found if comparable is None else tuple(d for d in found if d in comparable)
+
     by_name = {r.scenario: r for r in sglang}
     rows = []
     for n in native:
         s = by_name.get(n.scenario)
         if s is None:
             continue
-        same = (n.verdict, detectors_of(n)) == (s.verdict, detectors_of(s))
+        same = (n.verdict, compared(n)) == (s.verdict, compared(s))
         known = expected.get(n.scenario)
         if (lost or {}).get(n.scenario):
             status, reason = "unexplained", lost[n.scenario]
@@ -223,7 +229,12 @@ def judge_parity(report_dir: Path, version: str, native: list[Any], sglang: list
     unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) or _refused(r)
                    for r in sglang}
     known = known_divergences(version, SERVER_PARITY_DIR if runtime == "sglang-server" else PARITY_DIR)
-    rows = compare(native, sglang, known.entries, lost, unsupported)
+    comparable = None
+    if runtime == "sglang-server":
+        from canaries.server.log_events import SERVER_DETECTORS
+
+        comparable = SERVER_DETECTORS
+    rows = compare(native, sglang, known.entries, lost, unsupported, comparable)
     result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir,
                           known.describe(), "server" if runtime == "sglang-server" else "memory path")
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())

@@ -358,6 +358,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     try:
         if _CANCEL.is_set():
             raise _Cancelled
+        if hasattr(rt, "refuse_plan"):  # a runtime that cannot send every planned request says so
+            rt.refuse_plan(plan, run_dir)
         base_url = rt.start(spec_path, run_dir)
         mark("start")
         if _CANCEL.is_set():  # an engine that started as the run stopped

@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -26,7 +27,7 @@ from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
 from canaries.server.launch import ServerLaunch, import_env
 from canaries.server.model import ServerModel
-from canaries.server.scheduler_plugin import EVENT_LOG_ENV, PROGRESS_ENV
+from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
 
 __all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError"]
@@ -36,6 +37,9 @@ PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
 READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
 PORT_ATTEMPTS = 3  # a port taken under the server before it binds: start again on another
 FORK_PARENT = "canaries.server.fork_parent"
+# How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
+# it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
+IDLE_PASS_WAIT_S = 3.0
 
 
 class ServerStartError(RuntimeError):
@@ -79,6 +83,8 @@ class SGLangServer:
         self.log_path: Path | None = None
         self.event_log: Path | None = None
         self.progress_path: Path | None = None
+        self.idle_path: Path | None = None
+        self.stopped_at_idle = False
         self.base_url = ""
         self.launch: ServerLaunch | None = None
         self.started_s = 0.0
@@ -111,8 +117,10 @@ class SGLangServer:
         self.log_path = run_dir / "server.log"
         self.event_log = run_dir / "events.jsonl"
         self.progress_path = run_dir / "progress"
+        self.idle_path = run_dir / "idle"
         env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
-               EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path)}
+               EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path),
+               IDLE_ENV: str(self.idle_path)}
         safety.install_sigterm_handler()
         started = time.monotonic()
         if self.start_mode == "warm":
@@ -155,7 +163,13 @@ class SGLangServer:
             if proc is None:
                 return None
             try:
-                if proc.poll() is None:
+                self.stopped_at_idle = False
+                if proc.poll() is None and (self.crashed() or self._idle_pass_after(IDLE_PASS_WAIT_S)):
+                    # A dead scheduler (the launcher's SIGQUIT handler then sleeps 5 s before
+                    # its diagnostics), or one whose idle checks ran after the workload: nothing
+                    # is left to see, and SGLang's SIGTERM watchdog polls only every 5 s.
+                    self.stopped_at_idle = not self.crashed()
+                elif proc.poll() is None:
                     # The launcher alone: it drains and stops its scheduler and detokenizer
                     # (a SIGTERM to them too reads to SGLang as a crashed scheduler).
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -170,7 +184,7 @@ class SGLangServer:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
                 _wait_group_gone(proc.pid, 10.0)
-                self._exit_code = proc.returncode
+                self._exit_code = 0 if self.stopped_at_idle else proc.returncode
             finally:
                 if self._log_file is not None:
                     with contextlib.suppress(OSError):
@@ -178,6 +192,38 @@ class SGLangServer:
                     self._log_file = None
                 safety.unregister(self)
             return self._exit_code
+
+    def crashed(self) -> bool:
+        """Whether the event log holds the scheduler's death (a `crash` event)."""
+        import json
+
+        log = self.event_log
+        if log is None or not log.is_file():
+            return False
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                if json.loads(line).get("kind") == "crash":
+                    return True
+        return False
+
+    def _idle_passes(self) -> int:
+        try:
+            return int(self.idle_path.read_text(encoding="ascii").strip() or 0) if self.idle_path else 0
+        except (OSError, ValueError):
+            return 0
+
+    def _idle_pass_after(self, timeout: float) -> bool:
+        """Whether the scheduler completes a fully-idle pass (its idle checks) within `timeout`
+        from now: the workload is over, so that pass saw the final state."""
+        before = self._idle_passes()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._idle_passes() > before:
+                return True
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.is_file():
@@ -250,6 +296,15 @@ def spec_refusals(spec: dict) -> list[tuple[str, str]]:
     return found
 
 
+def plan_refusals(plan: list[Any]) -> list[tuple[str, str]]:
+    """(field path, why) for each request of a workload's plan the server runtime cannot send as
+    planned: a hang-up needs our engine's lockstep gate to leave at an exact token."""
+    return [(f"workload.extra_requests (rid {p.rid})",
+             "a hang-up needs the engine's gate (/gate/hang_up) to leave at an exact token; SGLang's "
+             "server has none (a streaming hang-up is not built)")
+            for p in plan if getattr(p, "hang_up_after", None) is not None]
+
+
 class SGLangServerRuntime:
     """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
     (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
@@ -320,6 +375,13 @@ class SGLangServerRuntime:
             return "cuda" if has_cuda_device() else "cpu"
         return "cuda" if device.startswith("cuda") else "cpu"
 
+    def refuse_plan(self, plan: list[Any], run_dir: str | os.PathLike) -> None:
+        """Refuse the scenario (ServerUnsupported) if its plan has a request this runtime cannot
+        send as planned (`plan_refusals`)."""
+        reasons = plan_refusals(plan)
+        if reasons:
+            self._unsupported(run_dir, "; ".join(f"{where}: {why}" for where, why in reasons))
+
     @staticmethod
     def _unsupported(run_dir: str | os.PathLike, reason: str) -> None:
         """Refuse the scenario: the reason is its INCONCLUSIVE verdict's, and the run dir's note
@@ -341,16 +403,7 @@ class SGLangServerRuntime:
                 "start_mode": server.start_mode, "started_s": round(server.started_s, 3)}
 
     def _crashed(self) -> bool:
-        import json
-
-        log = self.server.event_log if self.server is not None else None
-        if log is None or not log.is_file():
-            return False
-        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                if json.loads(line).get("kind") == "crash":
-                    return True
-        return False
+        return self.server is not None and self.server.crashed()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.server is None:

@@ -149,6 +149,16 @@ def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
                         "after": after, "detail": "sglang_perturb"}]}
 
 
+# The engine's detectors SGLang's server has a line for (the table in docs/sglang-server.md):
+# `canary parity --runtime sglang-server` compares detectors within this set; the census, the
+# scheduler's stalls and prefix check, the radix sanity check and our allocator's drops exist on
+# our engine only.
+SERVER_DETECTORS = frozenset({
+    "kv_canary.verify_chain_hash", "kv_canary.verify_position", "kv_canary.verify_real_kv_hash",
+    "kv_canary.write_token", "swa.peer_mapped", "swa.peer_released", "idle.full_ledger",
+    "idle.swa_ledger", "idle.req_rows_ledger", "alloc.pool_bound",
+})
+
 # managers/scheduler.py run_scheduler_process: the scheduler's last words before it dies.
 _SCHEDULER_DIED = "Scheduler hit an exception"
 # The allocator's bound (mem_cache/allocator/swa.py `free_group_end` and the hybrid `free`): a plain

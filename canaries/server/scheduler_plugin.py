@@ -28,7 +28,7 @@ from canaries.server import site_hooks
 from canaries.server.import_hooks import after_import
 from canaries.server.log_events import events_of_record, landing_of_line
 
-__all__ = ["EVENT_LOG_ENV", "PERTURB_INDEX_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
+__all__ = ["EVENT_LOG_ENV", "IDLE_ENV", "PERTURB_INDEX_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
 
 EVENT_LOG_ENV = "CANARY_SERVER_EVENT_LOG"
 # The run's spec (spec.json: engine knobs, perturbations, seed): the project's own kinds, armed in
@@ -39,6 +39,8 @@ PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
 # Where the scheduler's step count goes after every batch (the harness's watchdog reads it: a
 # hang is no progress, not a slow CPU).
 PROGRESS_ENV = "CANARY_SERVER_PROGRESS"
+# Where the count of the scheduler's completed fully-idle passes goes (its idle checks ran).
+IDLE_ENV = "CANARY_SERVER_IDLE"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 MEMORY_COMMON_MODULE = "sglang.srt.mem_cache.common"
 SWA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.swa"
@@ -167,6 +169,34 @@ def _hook_steps(scheduler_class: type) -> None:
 
     scheduler_class.run_batch = run_batch_perturbed
     scheduler_class.process_batch_result = process_batch_result_counted
+    if hasattr(scheduler_class, "on_idle") and hasattr(scheduler_class, "is_fully_idle"):
+        on_idle = scheduler_class.on_idle
+
+        def on_idle_counted(self, *args, **kwargs):
+            fully_idle = self.is_fully_idle()
+            out = on_idle(self, *args, **kwargs)
+            if fully_idle:  # its leak and tree checks ran (managers/scheduler.py `on_idle`)
+                _note_idle_pass()
+            return out
+
+        scheduler_class.on_idle = on_idle_counted
+
+
+_idle_passes = 0
+_idle_fd: int | None = None
+
+
+def _note_idle_pass() -> None:
+    """Count a completed idle pass in the idle file (the harness stops a server once one has run
+    after the workload: SGLang's own idle checks have then seen the final state)."""
+    global _idle_passes, _idle_fd
+    path = os.environ.get(IDLE_ENV)
+    if not path:
+        return
+    _idle_passes += 1
+    if _idle_fd is None:
+        _idle_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.pwrite(_idle_fd, f"{_idle_passes:>20}\n".encode(), 0)
 
 
 _progress_fd: int | None = None
