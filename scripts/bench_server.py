@@ -8,6 +8,7 @@ run's wall time, its time per scenario and the server/native ratio (issue 23's t
     python scripts/bench_server.py                      # every 6th library scenario, --jobs 2
     python scripts/bench_server.py --every 1 --jobs 2   # the whole library
     python scripts/bench_server.py --fresh              # also fresh server starts
+    python scripts/bench_server.py --every 3 --rounds 2 # two alternating rounds, median ratio
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,16 +45,17 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=6, help="every Nth library scenario, by name (1: all)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--fresh", action="store_true", help="also time fresh server starts")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the runs this many times (median)")
     args = parser.parse_args()
-    if args.every < 1 or args.jobs < 1:
-        parser.error("--every and --jobs must be >= 1")
+    if args.every < 1 or args.jobs < 1 or args.rounds < 1:
+        parser.error("--every, --jobs and --rounds must be >= 1")
     files = sorted(LIBRARY.glob("*.yaml"))[:: args.every]
-    rounds = [("local", "auto"), ("sglang-server", "warm")] + ([("sglang-server", "fresh")] if args.fresh else [])
-    results = {}
+    modes = [("local", "auto"), ("sglang-server", "warm")] + ([("sglang-server", "fresh")] if args.fresh else [])
+    walls: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
-        for runtime, start in rounds:
-            wall, rows = _run(files, runtime, args.jobs, Path(tmp) / f"{runtime}-{start}", start)
-            results[(runtime, start)] = (wall, rows)
+        for round_no, (runtime, start) in ((r, m) for r in range(args.rounds) for m in modes):
+            wall, rows = _run(files, runtime, args.jobs, Path(tmp) / f"{runtime}-{start}-{round_no}", start)
+            walls.setdefault((runtime, start), []).append(wall)
             verdicts = {}
             for r in rows:
                 verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
@@ -62,10 +65,12 @@ def main() -> int:
             print(f"{runtime:14} start={start:6} {len(rows)} scenarios  wall {wall:7.1f} s  "
                   f"{wall / max(len(rows), 1):6.2f} s/scenario  mean start {mean_start:5.2f} s  {verdicts}",
                   flush=True)
-    native = results[("local", "auto")][0]
-    for (runtime, start), (wall, _) in results.items():
+    native = statistics.median(walls[("local", "auto")])
+    for (runtime, start), values in walls.items():
         if runtime != "local":
-            print(f"ratio {runtime} ({start}) / local: {wall / native:.2f}x  (target <= 5x)")
+            ratios = ", ".join(f"{w / n:.2f}" for w, n in zip(values, walls[("local", "auto")], strict=True))
+            print(f"ratio {runtime} ({start}) / local: {statistics.median(values) / native:.2f}x median "
+                  f"(per round: {ratios}; target <= 5x)")
     return 0
 
 

@@ -133,3 +133,14 @@ def test_scheduler_death_by_the_allocators_bound_assert_is_alloc_pool_bound() ->
     assert crash["cause"] == "invariant" and crash["invariant"] == "alloc.pool_bound"
     other = events_of_record("Scheduler hit an exception: Traceback\n    assert x < 3\nAssertionError\n", step=1)
     assert [e["cause"] for e in other] == ["error"]
+
+
+def test_scheduler_death_by_the_canarys_raise_is_a_kv_canary_crash() -> None:
+    record = ("Scheduler hit an exception: Traceback (most recent call last):\n"
+              '    raise RuntimeError("\\n".join(messages))\n'
+              "RuntimeError: kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash "
+              "slot_idx=119 position=34 stored_token=39 expected_token=-1\n"
+              "  total_violations=2 ring_overflow=False step_when_pumped=7\n")
+    *violations, crash = events_of_record(record, step=7, level="STRICT")
+    assert [v["reason"] for v in violations] == ["verify_real_kv_hash"]
+    assert crash["kind"] == "crash" and crash["cause"] == "kv_canary" and crash["violations"] == 1

@@ -208,3 +208,26 @@ def test_radix_held_slots_are_the_tree_cores_own_walk() -> None:
     assert SGLangView(scheduler, WINDOW, PAGE).radix_held_slots() == [2, 5, 9]
     scheduler.server_args.disable_radix_cache = True
     assert SGLangView(scheduler, WINDOW, PAGE).radix_held_slots() == []
+
+
+def test_req_state_before_a_forward_counts_only_kv_already_written() -> None:
+    from types import SimpleNamespace
+
+    from canaries.server import site_hooks
+
+    def req(rid: str, committed: int, extend: int = 0) -> SimpleNamespace:
+        kv = SimpleNamespace(req_pool_idx=1, kv_committed_len=committed, max_evicted_seqlen=0)
+        return SimpleNamespace(rid=rid, kv=kv, extend_input_len=extend)
+
+    decoding, prefilling = req("d", 40), req("p", 24, extend=24)
+    mode = lambda decode: SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)  # noqa: E731
+    site_hooks.set_forward(SimpleNamespace(forward_mode=mode(True), reqs=[decoding]))
+    try:
+        # SGLang counted this forward's slot in kv_committed_len before run_batch: not written yet.
+        assert site_hooks.req_state(decoding).kv_len == 39
+        assert site_hooks.req_state(prefilling).kv_len == 24  # not in this forward
+        site_hooks.set_forward(SimpleNamespace(forward_mode=mode(False), reqs=[prefilling]))
+        assert site_hooks.req_state(prefilling).kv_len == 0
+    finally:
+        site_hooks.set_forward(None)
+    assert site_hooks.req_state(decoding).kv_len == 40

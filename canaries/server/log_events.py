@@ -180,7 +180,8 @@ def _pool_bound(text: str, step: int, level: str) -> dict | None:
 def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[dict]:
     """The events of one log record (its lines, traceback included). A record saying the
     scheduler died ends with a `crash`: the invariant whose failure killed it (an idle leak report
-    at strict too, as our engine's idle ledgers crash there), else the exception's last line."""
+    at strict too, as our engine's idle ledgers crash there), the KV canary's raise (its
+    violations are in the record), else the exception's last line."""
     events = [event for line in text.splitlines() for event in events_of_line(line, step=step, level=level)]
     if _SCHEDULER_DIED not in text or any(e["kind"] == "crash" for e in events):
         return events
@@ -190,10 +191,14 @@ def events_of_record(text: str, *, step: int = 0, level: str = "WARN") -> list[d
     if bound is not None:
         firings.append(bound)
         events.append(bound)
+    violations = [e for e in events if e["kind"] == "canary_violation"]
     if firings:
         for firing in firings:
             firing["crashed"] = True
         events.append({"kind": "crash", "cause": "invariant", "invariant": firings[-1]["invariant"],
+                       "error": last[:2000], "step": step})
+    elif violations:  # --kv-canary raise: its reporter raises with the violations' lines
+        events.append({"kind": "crash", "cause": "kv_canary", "violations": len(violations),
                        "error": last[:2000], "step": step})
     else:
         events.append({"kind": "crash", "cause": "error", "error": last[:2000], "step": step})

@@ -155,7 +155,11 @@ def _hook_steps(scheduler_class: type) -> None:
             from engine_stub.perturb.sites import BeforeStep
 
             perturber, facade = armed
-            perturber.at(BeforeStep(), facade)
+            site_hooks.set_forward(batch)  # the kinds see the KV written so far, not this forward's
+            try:
+                perturber.at(BeforeStep(), facade)
+            finally:
+                site_hooks.set_forward(None)
         result = run_batch(self, batch, *args, **kwargs)
         _note_progress(int(getattr(self, "forward_ct", 0)))
         return result

@@ -43,7 +43,7 @@ class SGLangView(TableView):
         self.has_radix_cache = not getattr(scheduler.server_args, "disable_radix_cache", False)
 
     def running(self) -> list[ReqState]:
-        return sorted((_state(r) for r in _reqs(self._scheduler) if r.kv.kv_committed_len > 0),
+        return sorted((state for state in map(_state, _reqs(self._scheduler)) if state.kv_len > 0),
                       key=lambda r: r.rid)
 
     def _table(self) -> torch.Tensor:

@@ -31,7 +31,7 @@ from engine_stub.perturb.sites import (
     WindowEviction,
 )
 
-__all__ = ["arm", "armed", "chunk_boundary", "relay_sampled", "release_kv_cache", "req_state",
+__all__ = ["arm", "armed", "chunk_boundary", "relay_sampled", "release_kv_cache", "req_state", "set_forward",
            "stash_chunked_request", "window_eviction"]
 
 _armed: tuple[Any, Any] | None = None  # (Perturber, SchedulerFacade) of this scheduler process
@@ -51,10 +51,31 @@ def armed(site: Site) -> tuple[Any, Any] | None:
     return _armed
 
 
+# Per request of the batch about to run (by id), the tokens its forward writes. SGLang allocates
+# their slots and counts them in `kv_committed_len` before `run_batch` (mem_cache/allocation.py:
+# `alloc_for_decode` adds one, `alloc_for_extend` sets the new seq_len), so at the before_step site
+# a request's KV is written only up to kv_committed_len minus these: the kinds' `kv_len`, as ours.
+_unwritten: dict[int, int] = {}
+
+
+def set_forward(batch: Any | None) -> None:
+    """The batch whose forward runs next (None once it ran): see `_unwritten`."""
+    _unwritten.clear()
+    mode = getattr(batch, "forward_mode", None)
+    if batch is None or mode is None:
+        return
+    if mode.is_decode():
+        _unwritten.update({id(r): 1 for r in batch.reqs})
+    elif mode.is_extend():
+        _unwritten.update({id(r): int(getattr(r, "extend_input_len", 0) or 0) for r in batch.reqs})
+
+
 def req_state(req: Any) -> ReqState:
-    """An SGLang `Req` as the kinds see a request (0.5.23's `req.kv`: `ReqKvInfo`)."""
+    """An SGLang `Req` as the kinds see a request (0.5.23's `req.kv`: `ReqKvInfo`): its KV
+    written so far is `kv_len`."""
     kv = req.kv
-    return ReqState(str(req.rid), int(kv.req_pool_idx), int(kv.kv_committed_len), int(kv.max_evicted_seqlen))
+    written = int(kv.kv_committed_len) - _unwritten.get(id(req), 0)
+    return ReqState(str(req.rid), int(kv.req_pool_idx), max(written, 0), int(kv.max_evicted_seqlen))
 
 
 def window_eviction(original: Callable[..., None]) -> Callable[..., None]:
