@@ -178,7 +178,7 @@ def _hung(record: dict, watchdog: Watchdog) -> None:
 
 
 def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | None,
-          temperature: float, watchdog: Watchdog, deadline: float) -> dict:
+          temperature: float, watchdog: Watchdog, deadline: float, hang_up_by: str = "gate") -> dict:
     start = time.monotonic()
     rid, max_new_tokens = planned.rid, planned.max_new_tokens
     record: dict[str, Any] = {"rid": rid, "status": None, "output_ids": None, "error": None,
@@ -200,7 +200,10 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
     if planned.hang_up_after is not None:
         record["expect_status"] = CLIENT_GONE_STATUS
-        hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining, watchdog)
+        if hang_up_by == "stream":
+            hang_up_streaming(base_url, record, body, planned.hang_up_after, remaining, watchdog)
+        else:
+            hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining, watchdog)
         record["latency_s"] = round(time.monotonic() - start, 4)
         return record
     exchange = _Abortable(base_url, remaining)
@@ -278,6 +281,45 @@ def hang_up(session: requests.Session, base_url: str, record: dict, body: dict, 
         exchange.close()
 
 
+def hang_up_streaming(base_url: str, record: dict, body: dict, after_tokens: int, remaining: float,
+                      watchdog: Watchdog) -> None:
+    """`hang_up` for an engine without our gate (SGLang's server): stream the answer and close
+    the connection once it holds `after_tokens` tokens; the server sees the client gone and
+    aborts the request. The record gets status 499 and `hung_up`, or, if the stream ended first
+    (it finished or failed), that answer."""
+    exchange = _Abortable(base_url, remaining)
+    token = watchdog.track(exchange.abort)
+    try:
+        exchange.connect()
+        exchange.conn.request("POST", "/generate", body=json.dumps({**body, "stream": True}).encode(),
+                              headers={"Content-Type": "application/json"})
+        resp = exchange.conn.getresponse()
+        record["status"] = resp.status
+        if resp.status != 200:
+            record["error"] = resp.read()[:500].decode("utf-8", "replace")
+            return
+        output_ids: list[int] = []
+        while line := resp.readline():
+            data = line.strip().removeprefix(b"data:").strip()
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            output_ids = list(chunk.get("output_ids") or output_ids)  # cumulative, as SGLang streams them
+            if len(output_ids) >= after_tokens:
+                record.update(status=CLIENT_GONE_STATUS, hung_up=True)
+                return
+            record["meta_info"] = chunk.get("meta_info")
+        record["output_ids"] = output_ids  # the whole answer came before the hang-up
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        if exchange.aborted:
+            _hung(record, watchdog)
+        else:
+            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        watchdog.untrack(token)
+        exchange.close()
+
+
 def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) -> None:
     """Tell the engine's lockstep gate that `rid` waits for `waits_for`'s answer, so the gate
     counts it as in flight meanwhile (else it would wait for a request that cannot come yet)."""
@@ -289,7 +331,7 @@ def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) ->
 
 def drive(base_url: str, workload: Workload, seed: int, patience: Patience | None = None,
           plan: Sequence[Planned] | None = None,
-          progress: Callable[[], Hashable | None] | None = None) -> list[dict]:
+          progress: Callable[[], Hashable | None] | None = None, hang_up_by: str = "gate") -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
 
     Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
@@ -298,6 +340,8 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     `progress` (default: `engine_progress`, its /progress): if it stalls with requests outstanding,
     or the workload reaches the hard cap, every outstanding request is cut and its record gets
     `hang`, the watchdog's reason (and `error` "hung: REASON"); what was not sent yet is not.
+    `hang_up_by`: "gate" (our engine's lockstep gate leaves at an exact token) or "stream" (an
+    engine without it: the answer streamed, the connection closed once it holds enough tokens).
     """
     plan = list(plan) if plan is not None else make_plan(workload, seed)
     concurrency = max(1, workload.concurrency)
@@ -331,7 +375,7 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
             except TimeoutError:
                 earlier = {}
             prompt = planned.follow_up.prompt(earlier)
-        return _send(session, url, planned, prompt, temperature, watchdog, deadline)
+        return _send(session, url, planned, prompt, temperature, watchdog, deadline, hang_up_by)
 
     try:
         with watchdog, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:

@@ -245,7 +245,7 @@ def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path
         clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S)
         try:
             return drive_workload(clean.start(clean_path, clean_dir), workload, seed, patience, plan=plan,
-                                  progress=clean.progress)
+                                  progress=clean.progress, hang_up_by=clean.hang_up_by)
         finally:
             clean.stop()
 
@@ -358,8 +358,6 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     try:
         if _CANCEL.is_set():
             raise _Cancelled
-        if hasattr(rt, "refuse_plan"):  # a runtime that cannot send every planned request says so
-            rt.refuse_plan(plan, run_dir)
         base_url = rt.start(spec_path, run_dir)
         mark("start")
         if _CANCEL.is_set():  # an engine that started as the run stopped
@@ -368,7 +366,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             on_started(rt)
         # A runtime that knows its engine's progress its own way (SGLang's server) says so.
         responses = drive_workload(base_url, workload, seed, patience or patience_for(workload, rt), plan=plan,
-                                   progress=getattr(rt, "progress", None))
+                                   progress=getattr(rt, "progress", None),
+                                   hang_up_by=getattr(rt, "hang_up_by", "gate"))
         mark("drive")
         if runtime == "sglang-server":
             oracle = _server_oracle(scenario, spec, plan, run_dir, workload, seed,

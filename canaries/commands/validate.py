@@ -47,8 +47,7 @@ def _server_refusals(files: list) -> list:
     """What SGLang's server cannot run, as problems at the field's line."""
     from pathlib import Path
 
-    from canaries.driver import make_plan
-    from canaries.runtime.sglang_server import plan_refusals, spec_refusals
+    from canaries.runtime.sglang_server import spec_refusals
     from canaries.scenario import load_paths
     from canaries.scenario.loader import engine_spec
     from canaries.scenario.model import Problem
@@ -63,7 +62,6 @@ def _server_refusals(files: list) -> list:
             found.append(("regressions", "the server runs SGLang's code: the engine regressions a "
                                          "scenario plants do not apply"))
         found += spec_refusals(engine_spec(scenario))
-        found += plan_refusals(make_plan(scenario.workload, scenario.seed))
         problems += [Problem(scenario.path, doc.line(where), where, f"--runtime sglang-server: {why}")
                      for where, why in found]
     return problems

@@ -19,7 +19,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import requests
 
@@ -296,15 +295,6 @@ def spec_refusals(spec: dict) -> list[tuple[str, str]]:
     return found
 
 
-def plan_refusals(plan: list[Any]) -> list[tuple[str, str]]:
-    """(field path, why) for each request of a workload's plan the server runtime cannot send as
-    planned: a hang-up needs our engine's lockstep gate to leave at an exact token."""
-    return [(f"workload.extra_requests (rid {p.rid})",
-             "a hang-up needs the engine's gate (/gate/hang_up) to leave at an exact token; SGLang's "
-             "server has none (a streaming hang-up is not built)")
-            for p in plan if getattr(p, "hang_up_after", None) is not None]
-
-
 class SGLangServerRuntime:
     """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
     (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
@@ -314,6 +304,8 @@ class SGLangServerRuntime:
     # a loaded two-core CPU (lazy initialisation, the canary's kernels in Triton's interpreter) has
     # taken over a minute here.
     stall_s = 240.0
+    # No lockstep gate on SGLang's server: a planned hang-up streams and closes the connection.
+    hang_up_by = "stream"
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
                  engine_root: str | os.PathLike | None = None, device: str = "cpu", start: str | None = None,
@@ -374,13 +366,6 @@ class SGLangServerRuntime:
         if device == "auto":
             return "cuda" if has_cuda_device() else "cpu"
         return "cuda" if device.startswith("cuda") else "cpu"
-
-    def refuse_plan(self, plan: list[Any], run_dir: str | os.PathLike) -> None:
-        """Refuse the scenario (ServerUnsupported) if its plan has a request this runtime cannot
-        send as planned (`plan_refusals`)."""
-        reasons = plan_refusals(plan)
-        if reasons:
-            self._unsupported(run_dir, "; ".join(f"{where}: {why}" for where, why in reasons))
 
     @staticmethod
     def _unsupported(run_dir: str | os.PathLike, reason: str) -> None:
