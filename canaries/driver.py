@@ -177,24 +177,12 @@ def _hung(record: dict, watchdog: Watchdog) -> None:
     record["hang"] = watchdog.reason
 
 
-@contextlib.contextmanager
-def _exchange(base_url: str, remaining: float, watchdog: Watchdog, record: dict,
-              errors: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)):
-    """A connected `_Abortable` the watchdog can cut; a failure of the exchange (one of `errors`)
-    becomes the record's error, or its hang when the watchdog cut it."""
-    exchange = _Abortable(base_url, remaining)
-    token = watchdog.track(exchange.abort)
-    try:
-        exchange.connect()
-        yield exchange
-    except errors as exc:
-        if exchange.aborted:
-            _hung(record, watchdog)
-        else:
-            record["error"] = f"{type(exc).__name__}: {exc}"[:500]
-    finally:
-        watchdog.untrack(token)
-        exchange.close()
+def _exchange_failed(record: dict, exchange: _Abortable, watchdog: Watchdog, exc: BaseException) -> None:
+    """A failed exchange: the record's hang when the watchdog cut it, else its error."""
+    if exchange.aborted:
+        _hung(record, watchdog)
+    else:
+        record["error"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
 def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | None,
@@ -226,7 +214,10 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
             hang_up(session_factory(), base_url, record, body, planned.hang_up_after, remaining, watchdog)
         record["latency_s"] = round(time.monotonic() - start, 4)
         return record
-    with _exchange(base_url, remaining, watchdog, record) as exchange:
+    exchange = _Abortable(base_url, remaining)
+    token = watchdog.track(exchange.abort)
+    try:
+        exchange.connect()
         exchange.conn.request("POST", "/generate", body=json.dumps(body).encode(),
                               headers={"Content-Type": "application/json"})
         resp = exchange.conn.getresponse()
@@ -242,6 +233,11 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
         else:
             err = payload.get("error") if isinstance(payload, dict) else None
             record["error"] = (err or {}).get("message") if isinstance(err, dict) else str(payload)[:500]
+    except (OSError, http.client.HTTPException) as exc:
+        _exchange_failed(record, exchange, watchdog, exc)
+    finally:
+        watchdog.untrack(token)
+        exchange.close()
     record["latency_s"] = round(time.monotonic() - start, 4)
     return record
 
@@ -296,7 +292,10 @@ def hang_up_streaming(base_url: str, record: dict, body: dict, after_tokens: int
     the connection once it holds `after_tokens` tokens; the server sees the client gone and
     aborts the request. The record gets status 499 and `hung_up`, or, if the stream ended first
     (it finished or failed), that answer."""
-    with _exchange(base_url, remaining, watchdog, record, (OSError, ValueError, http.client.HTTPException)) as exchange:
+    exchange = _Abortable(base_url, remaining)
+    token = watchdog.track(exchange.abort)
+    try:
+        exchange.connect()
         exchange.conn.request("POST", "/generate", body=json.dumps({**body, "stream": True}).encode(),
                               headers={"Content-Type": "application/json"})
         resp = exchange.conn.getresponse()
@@ -316,6 +315,11 @@ def hang_up_streaming(base_url: str, record: dict, body: dict, after_tokens: int
                 return
             record["meta_info"] = chunk.get("meta_info")
         record["output_ids"] = output_ids  # the whole answer came before the hang-up
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        _exchange_failed(record, exchange, watchdog, exc)
+    finally:
+        watchdog.untrack(token)
+        exchange.close()
 
 
 def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) -> None:

@@ -96,3 +96,16 @@ def test_window_eviction_kind_lands_in_sglangs_own_eviction_and_its_invariant_de
     assert landed["perturbation"] == "double_free_swa" and landed["site"] == "on_window_eviction"
     assert landed["after"]["freed_again"] == landed["before"]["freed"] != []
     assert _processes_under(tmp_path) == []
+
+
+def test_clean_control_on_the_real_server_is_clean_and_records_the_server(tmp_path: Path) -> None:
+    """The control the request-level regression turns into a FALSE_ALARM: on the unmodified
+    release every answer equals a clean server's, and the verdict records which server ran."""
+    _require_server_venv()
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "clean-page1-noradix.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server")
+    assert record.verdict == "CLEAN", record.reason
+    server = record.extra["server"]
+    assert server["sglang_version"] == "0.5.23"
+    assert "--skip-server-warmup" in server["args"] and server["env"]["SGLANG_INVARIANT_CHECK"] == "2"
+    assert _processes_under(tmp_path) == []

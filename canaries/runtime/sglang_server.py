@@ -101,11 +101,25 @@ class SGLangServer:
                 return self._start_once(run_dir, extra_env)
             except ServerStartError as exc:
                 # Another process took the port between our probe and the server's bind (its
-                # imports take a minute): a new port, not a failed run.
-                if attempt == PORT_ATTEMPTS or "address already in use" not in str(exc):
+                # imports take a minute), or the launcher gave up on its own start-up request on
+                # a loaded machine (`_freeze_gc_after_server_warmup`'s 10-second POST, then exit
+                # 3) with its scheduler alive: a new start, not a failed run. A scheduler that
+                # died by a check of its own is the engine's verdict and is not retried.
+                retry = "address already in use" in str(exc) or (
+                    "exited with" in str(exc) and not self.crashed())
+                if attempt == PORT_ATTEMPTS or not retry:
                     raise
+                self.stop()
                 self.proc = None
+                self._set_aside(attempt)
         raise AssertionError("unreachable")
+
+    def _set_aside(self, attempt: int) -> None:
+        """Keep a failed start's log and events beside the run (`*.attempt-N`), out of the
+        verdict's way: the next start writes them afresh."""
+        for path in (self.log_path, self.event_log, self.progress_path, self.idle_path):
+            if path is not None and path.exists():
+                path.replace(path.with_name(f"{path.name}.attempt-{attempt}"))
 
     def _start_once(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None) -> str:
         if self.proc is not None:
