@@ -231,6 +231,13 @@ def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path
 
     if any(detector_of(e) is not None or e.get("kind") == "crash" for e in _read_events(run_dir / "events.jsonl")):
         return _FixedOracle([], None)  # a detector fired or the engine died: no clean run can pass
+    return _FixedOracle(*server_answer_mismatches(spec, plan, run_dir, workload, seed, patience, responses))
+
+
+def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
+                             patience: Patience, responses: list[dict]) -> tuple[list[dict], str | None]:
+    """`responses` (a run on SGLang's server) against a clean server's answers to the same plan
+    under the same engine section, cached in `<report>/.server-oracle/`: (mismatches, error)."""
     from canaries.runtime.sglang_server import SGLangServerRuntime
     from canaries.server.oracle import ServerOracle, mismatches
 
@@ -250,9 +257,9 @@ def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path
             clean.stop()
 
     try:
-        return _FixedOracle(mismatches(oracle.reference(clean_run), responses), None)
+        return mismatches(oracle.reference(clean_run), responses), None
     except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
-        return _FixedOracle([], f"the clean server's oracle failed: {type(exc).__name__}: {exc}")
+        return [], f"the clean server's oracle failed: {type(exc).__name__}: {exc}"
 
 
 # ---- one scenario ----------------------------------------------------------------------------------

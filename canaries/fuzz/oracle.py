@@ -95,8 +95,10 @@ def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: 
 
     if record.extra.get("runtime") == "sglang-server":
         # SGLang's server has no census of ours (its own idle check is a detector, and fires as
-        # one); the runner compared its answers with a clean server's.
-        return ["answers"] if (run_dir / "oracle_mismatches.jsonl").is_file() else []
+        # one): what is left to see is its answers, against a clean server's to the same plan.
+        if scenario.workload.temperature != 0:
+            return []
+        return _server_answers(scenario, record, run_dir, responses)
     idle = [e for e in events if e.get("kind") == "idle_check"]
     if not idle:
         return ["no idle check"]
@@ -186,6 +188,25 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
                                   "equal to the no-cache oracle")
     return judged("blind_spot", f"damage read, nothing fired, and: {', '.join(symptoms)}",
                   ",".join(symptoms), _levels(scenario))
+
+
+def _server_answers(scenario: Any, record: Any, run_dir: Path, responses: list[dict]) -> list[str]:
+    """["answers"] if the run's answers differ from a clean SGLang server's (["no oracle"] if
+    none could be had), else []."""
+    from canaries.driver import make_plan
+    from canaries.runner import patience_for, server_answer_mismatches
+    from canaries.runtime.sglang_server import SGLangServerRuntime
+
+    try:
+        spec = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ["no oracle"]
+    plan = make_plan(scenario.workload, scenario.seed)
+    found, error = server_answer_mismatches(spec, plan, run_dir, scenario.workload, scenario.seed,
+                                            patience_for(scenario.workload, SGLangServerRuntime), responses)
+    if error:
+        return ["no oracle"]
+    return ["answers"] if found else []
 
 
 def _enabled(detector: str, engine: Any) -> bool:
