@@ -208,38 +208,58 @@ class _Oracle:
         return self._mismatches, self._error
 
 
-class _FixedOracle:
-    """An oracle whose answer is already known (the sglang-server runtime's, below)."""
+class _ServerOracle:
+    """The oracle of a clean greedy scenario on SGLang's server: a clean server's answers to the
+    same plan (canaries/server/oracle.py, cached beside the run's report), computed on a thread
+    from the start of the run, beside the scenario's own server (a server's workload leaves a
+    core idle part of the time), and compared once the run's answers are in."""
 
-    def __init__(self, mismatches: list[dict], error: str | None) -> None:
-        self._mismatches, self._error = mismatches, error
+    def __init__(self, scenario: Any, spec: dict, plan: list[Planned], run_dir: Path, patience: Patience) -> None:
+        self._run_dir = run_dir
+        self._wanted = scenario.expect.clean and scenario.workload.temperature == 0
+        self._reference: dict[str, list[int]] | None = None
+        self._mismatches: list[dict] = []
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        if self._wanted:
+            self._thread = threading.Thread(
+                target=self._compute, args=(spec, plan, scenario.workload, scenario.seed, patience),
+                daemon=True, name="canary-server-oracle")
+            self._thread.start()
+
+    def _compute(self, spec: dict, plan: list[Planned], workload: Any, seed: int, patience: Patience) -> None:
+        try:
+            self._reference = server_clean_answers(spec, plan, self._run_dir, workload, seed, patience)
+        except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
+            self._error = f"the clean server's oracle failed: {type(exc).__name__}: {exc}"
 
     def start(self, responses: list[dict]) -> None:
-        pass
+        from canaries.server.oracle import mismatches
+        from canaries.verdict.record import detector_of
+
+        if self._thread is not None:
+            self._thread.join()
+        if not (self._wanted and responses):
+            return
+        if any(detector_of(e) is not None or e.get("kind") == "crash"
+               for e in _read_events(self._run_dir / "events.jsonl")):
+            self._error = None  # a detector fired or the engine died: no clean run can pass
+            return
+        if self._reference is not None:
+            self._mismatches = mismatches(self._reference, responses)
 
     def result(self) -> tuple[list[dict], str | None]:
+        if self._thread is not None:
+            self._thread.join()  # a run that ended early still leaves no clean server behind
         return self._mismatches, self._error
 
 
-def _server_oracle(scenario: Any, spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
-                   patience: Patience, responses: list[dict]) -> _FixedOracle:
-    """For a clean greedy scenario on SGLang's server: its answers against a clean server's
-    (canaries/server/oracle.py), cached beside the run's report."""
-    if not (scenario.expect.clean and workload.temperature == 0 and responses):
-        return _FixedOracle([], None)
-    from canaries.verdict.record import detector_of
-
-    if any(detector_of(e) is not None or e.get("kind") == "crash" for e in _read_events(run_dir / "events.jsonl")):
-        return _FixedOracle([], None)  # a detector fired or the engine died: no clean run can pass
-    return _FixedOracle(*server_answer_mismatches(spec, plan, run_dir, workload, seed, patience, responses))
-
-
-def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
-                             patience: Patience, responses: list[dict]) -> tuple[list[dict], str | None]:
-    """`responses` (a run on SGLang's server) against a clean server's answers to the same plan
-    under the same engine section, cached in `<report>/.server-oracle/`: (mismatches, error)."""
+def server_clean_answers(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
+                         patience: Patience) -> dict[str, list[int]]:
+    """A clean SGLang server's answers (by rid) to `plan` under `spec`'s engine section, cached in
+    `<report>/.server-oracle/` (RuntimeError if the clean server did not answer)."""
     from canaries.runtime.sglang_server import SGLangServerRuntime
-    from canaries.server.oracle import ServerOracle, mismatches
+    from canaries.server.oracle import ServerOracle
 
     clean_spec = {**spec, "perturbations": []}
     oracle = ServerOracle(run_dir.parent / ".server-oracle", clean_spec["engine"], plan, release="0.5.23")
@@ -256,8 +276,16 @@ def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, wor
         finally:
             clean.stop()
 
+    return oracle.reference(clean_run)
+
+
+def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
+                             patience: Patience, responses: list[dict]) -> tuple[list[dict], str | None]:
+    """`responses` (a run on SGLang's server) against `server_clean_answers`: (mismatches, error)."""
+    from canaries.server.oracle import mismatches
+
     try:
-        return mismatches(oracle.reference(clean_run), responses), None
+        return mismatches(server_clean_answers(spec, plan, run_dir, workload, seed, patience), responses), None
     except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
         return [], f"the clean server's oracle failed: {type(exc).__name__}: {exc}"
 
@@ -355,7 +383,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         options["python"] = engine_python
     rt = get_runtime(runtime, ready_timeout=READY_TIMEOUT_S, **options)
     phases: dict[str, float] = {}
-    oracle = _Oracle(scenario, spec, plan, run_dir / "events.jsonl")
+    oracle: Any = _Oracle(scenario, spec, plan, run_dir / "events.jsonl")
 
     def mark(name: str, since: list[float] = [started]) -> None:  # noqa: B006 - a running clock
         now = time.monotonic()
@@ -365,6 +393,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     try:
         if _CANCEL.is_set():
             raise _Cancelled
+        if runtime == "sglang-server":
+            oracle = _ServerOracle(scenario, spec, plan, run_dir, patience or patience_for(workload, rt))
         base_url = rt.start(spec_path, run_dir)
         mark("start")
         if _CANCEL.is_set():  # an engine that started as the run stopped
@@ -376,9 +406,6 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                                    progress=getattr(rt, "progress", None),
                                    hang_up_by=getattr(rt, "hang_up_by", "gate"))
         mark("drive")
-        if runtime == "sglang-server":
-            oracle = _server_oracle(scenario, spec, plan, run_dir, workload, seed,
-                                    patience or patience_for(workload, rt), responses)
         oracle.start(responses)  # computed while the engine idles and stops
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
         timed_out = hang is not None
