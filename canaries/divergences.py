@@ -1,6 +1,7 @@
 """Known divergences of an SGLang release from our memory path: configs/parity/sglang-X.yaml.
 
-A file lists `divergences:` (scenario -> {verdict, reason}). It may say `inherits: 0.5.20`: its
+A file lists `divergences:` (scenario -> {verdict, reason}; the verdict may be a list where the
+run's timing decides between them). It may say `inherits: 0.5.20`: its
 divergences are then that release's (recursively), less the scenarios it lists as `resolved:`
 (the release behaves as native there), overlaid with its own. A release with no file at all
 inherits from the nearest older release that has one (PEP 440 order: 0.5.24.dev0 inherits

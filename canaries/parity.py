@@ -23,7 +23,7 @@ SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences
 UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
 
 __all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "judge_parity", "rejudge", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
-           "lost_sglang_hits", "run_parity", "unsupported_reason"]
+           "lost_sglang_hits", "recorded_verdicts", "run_parity", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,13 @@ def unsupported_reason(run_dir: Path) -> str:
     return match.group(1).strip() if match else ""
 
 
+def recorded_verdicts(entry: dict) -> tuple[str, ...]:
+    """The verdicts a known divergence allows: one, or a list where the run's timing decides
+    between them (SGLang's server batches requests as they arrive)."""
+    verdict = entry.get("verdict")
+    return tuple(verdict) if isinstance(verdict, list) else (verdict,)
+
+
 def _refused(record: Any) -> str:
     """A runtime's refusal of the scenario (`ServerUnsupported: why` in its reason), or ""."""
     _, found, why = str(record.reason).partition("ServerUnsupported: ")
@@ -186,11 +193,11 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
             status, reason = "unsupported", unsupported[n.scenario]
         elif same:
             status, reason = "same", ""
-        elif known and known.get("verdict") == s.verdict:
+        elif known and s.verdict in recorded_verdicts(known):
             status, reason = "known", str(known["reason"]).strip()
         else:
             status = "unexplained"
-            reason = (f"recorded as {known['verdict']}, got {s.verdict}" if known else "")
+            reason = (f"recorded as {' or '.join(recorded_verdicts(known))}, got {s.verdict}" if known else "")
         rows.append(ParityRow(n.scenario, n.verdict, s.verdict, detectors_of(n), detectors_of(s),
                               _first_latency(n), _first_latency(s), status, reason))
     return rows

@@ -74,3 +74,14 @@ def test_rejudge_reads_a_report_back_and_counts_a_server_refusal_unsupported(tmp
                                                              ("c", "unexplained")]
     assert "another engine_stub" in result.rows[1].reason and not result.ok
     assert "(server)" in (tmp_path / "parity.md").read_text()
+
+
+def test_compare_accepts_any_of_the_verdicts_a_known_divergence_lists() -> None:
+    native = SimpleNamespace(scenario="s", verdict="DETECTED", firings=[], latency={})
+    known = {"s": {"verdict": ["NOT_INJECTED", "MISSED"], "reason": "timing"}}
+    for seen in ("NOT_INJECTED", "MISSED"):
+        server = SimpleNamespace(scenario="s", verdict=seen, firings=[], latency={})
+        assert compare([native], [server], known)[0].status == "known"
+    late = SimpleNamespace(scenario="s", verdict="LATE", firings=[], latency={})
+    row = compare([native], [late], known)[0]
+    assert row.status == "unexplained" and row.reason == "recorded as NOT_INJECTED or MISSED, got LATE"
