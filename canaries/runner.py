@@ -313,7 +313,7 @@ def patience_for(workload: Any, runtime: Any = None) -> Patience:
     runtime asks for: SGLang's server on a CPU can spend minutes in its first forward), and a hard
     cap that grows with the number of requests."""
     stall_s = max(STALL_S, float(getattr(runtime, "stall_s", STALL_S)))
-    return Patience(stall_s=stall_s,
+    return Patience(stall_s=stall_s, poll_s=min(stall_s, float(getattr(runtime, "poll_s", 1.0))),
                     hard_cap_s=max(MIN_HARD_CAP_S, stall_s, HARD_CAP_PER_REQUEST_S * workload.total_requests))
 
 

@@ -168,3 +168,47 @@ def test_line_reader_refuses_an_endless_line():
     reader = LineReader(max_line=16)
     with pytest.raises(ForkProtocolError, match="longer than 16 bytes"):
         reader.feed(b"x" * 17)
+
+
+ORPHANING_SERVER = textwrap.dedent("""
+    import os, sys, time
+    import engine_stub.forkserver as server
+
+    def main(argv):
+        # an engine with a child of its own (as SGLang's launcher has its scheduler)
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(120)
+            os._exit(0)
+        with open(argv[0], "w") as f:
+            f.write(str(pid))
+        time.sleep(120)
+        return 0
+
+    sys.exit(server.serve(sys.argv[-1], main=main))
+""")
+
+
+@pytest.mark.slow
+def test_engine_killed_before_its_child_leaves_the_child_to_the_fork_server(tmp_path):
+    """The orphan goes to the fork server, which reaps it as soon as it dies, not to init (which
+    on these machines reaps every two seconds or so, and so held every SGLang server's stop)."""
+    server = ForkServer(python=_python_running(tmp_path, ORPHANING_SERVER))
+    try:
+        pid_file = tmp_path / "grandchild"
+        proc = server.spawn([str(pid_file)], dict(os.environ), tmp_path / "engine.log")
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text(encoding="ascii").strip()):
+            assert time.monotonic() < deadline, "the engine never forked its child"
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text(encoding="ascii"))
+        os.kill(proc.pid, 9)
+        assert proc.wait(30) == -9
+        parent = int(Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent == server.proc.pid
+        os.kill(grandchild, 9)
+        while Path(f"/proc/{grandchild}").exists():  # reaped by the fork server, never a zombie left
+            assert time.monotonic() < deadline, "the fork server did not reap its adopted orphan"
+            time.sleep(0.05)
+    finally:
+        server.close()

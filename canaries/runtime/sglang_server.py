@@ -39,6 +39,7 @@ FORK_PARENT = "canaries.server.fork_parent"
 # How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
 # it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
 IDLE_PASS_WAIT_S = 3.0
+READY_POLL_S = 0.05  # a warm server is ready in 1-2 s: a coarser poll is a large share of that
 
 
 class ServerStartError(RuntimeError):
@@ -51,9 +52,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _live_members(pgid: int) -> int | None:
+    """How many processes of group `pgid` are alive (zombies hold nothing and are not counted);
+    None where /proc cannot say."""
+    live = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            live += 1
+    return live
+
+
 def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    """Wait until no process of group `pgid` is left (a SIGKILLed scheduler takes a moment to go,
-    and only its new parent reaps it); False if some still is after `timeout`."""
+    """Wait until no process of group `pgid` is alive (a SIGKILLed scheduler takes a moment to
+    go; once a zombie it holds no memory, port or file, whoever reaps it and whenever); False if
+    some still is after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -62,6 +85,8 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
             return True
         except PermissionError:
             return False
+        if _live_members(pgid) == 0:
+            return True
         time.sleep(0.05)
     return False
 
@@ -90,6 +115,8 @@ class SGLangServer:
         self._log_file = None
         self._lock = threading.Lock()
         self._exit_code: int | None = None
+        self._events_read = 0  # how far `crashed` has read the event log
+        self._crash_seen = False
 
     def start(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None = None) -> str:
         """Launch the server and return its base URL once /ready answers 200.
@@ -159,7 +186,7 @@ class SGLangServer:
                 self.stop()
                 raise ServerStartError(f"sglang.launch_server did not answer /ready within "
                                        f"{self.ready_timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         self.started_s = time.monotonic() - started
         return self.base_url
 
@@ -176,13 +203,12 @@ class SGLangServer:
             if proc is None:
                 return None
             try:
-                self.stopped_at_idle = False
-                if proc.poll() is None and (self.crashed() or self._idle_pass_after(IDLE_PASS_WAIT_S)):
-                    # A dead scheduler (the launcher's SIGQUIT handler then sleeps 5 s before
-                    # its diagnostics), or one whose idle checks ran after the workload: nothing
-                    # is left to see, and SGLang's SIGTERM watchdog polls only every 5 s.
-                    self.stopped_at_idle = not self.crashed()
-                elif proc.poll() is None:
+                self.stopped_at_idle = (proc.poll() is None and not self.crashed()
+                                        and self._idle_pass_after(IDLE_PASS_WAIT_S))
+                # A dead scheduler (the launcher's SIGQUIT handler then sleeps 5 s before its
+                # diagnostics), or one whose idle checks ran after the workload, goes by SIGKILL
+                # at once: nothing is left to see, and SGLang's SIGTERM watchdog polls every 5 s.
+                if proc.poll() is None and not (self.stopped_at_idle or self.crashed()):
                     # The launcher alone: it drains and stops its scheduler and detokenizer
                     # (a SIGTERM to them too reads to SGLang as a crashed scheduler).
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -207,17 +233,39 @@ class SGLangServer:
             return self._exit_code
 
     def crashed(self) -> bool:
-        """Whether the event log holds the scheduler's death (a `crash` event)."""
+        """Whether the event log holds the scheduler's death (a `crash` event); read on from
+        where the last call stopped, each complete line once."""
         import json
 
         log = self.event_log
-        if log is None or not log.is_file():
+        if self._crash_seen or log is None:
+            return self._crash_seen
+        try:
+            with open(log, "rb") as f:
+                f.seek(self._events_read)
+                chunk = f.read()
+        except OSError:
             return False
-        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._events_read += len(complete)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
                 if json.loads(line).get("kind") == "crash":
-                    return True
-        return False
+                    self._crash_seen = True
+                    break
+        return self._crash_seen
+
+    def end_if_crashed(self) -> bool:
+        """SIGKILL the whole group once the scheduler has died (its death is in the event log):
+        SGLang's launcher would sleep 5 s in its SIGQUIT handler before it exits, and every request
+        in flight waits on it. True if the server was crashed."""
+        if not self.crashed():
+            return False
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        return True
 
     def _idle_passes(self) -> int:
         try:
@@ -227,13 +275,14 @@ class SGLangServer:
 
     def _idle_pass_after(self, timeout: float) -> bool:
         """Whether the scheduler completes a fully-idle pass (its idle checks) within `timeout`
-        from now: the workload is over, so that pass saw the final state."""
+        from now: the workload is over, so that pass saw the final state. False as soon as the
+        scheduler is seen dead."""
         before = self._idle_passes()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._idle_passes() > before:
                 return True
-            if self.proc is None or self.proc.poll() is not None:
+            if self.proc is None or self.proc.poll() is not None or self.crashed():
                 return False
             time.sleep(0.05)
         return False
@@ -318,6 +367,7 @@ class SGLangServerRuntime:
     # a loaded two-core CPU (lazy initialisation, the canary's kernels in Triton's interpreter) has
     # taken over a minute here.
     stall_s = 240.0
+    poll_s = 0.25  # a dead scheduler is seen (and its launcher ended) within this
     # No lockstep gate on SGLang's server: a planned hang-up streams and closes the connection.
     hang_up_by = "stream"
 
@@ -418,7 +468,7 @@ class SGLangServerRuntime:
     def progress(self) -> tuple[int, bool] | None:
         """(the scheduler's step count, whether the server is alive): the watchdog's probe. A
         dead server answers nothing (None); one that has run no batch yet is at step 0."""
-        if not self.running:
+        if not self.running or self.server.end_if_crashed():
             return None
         path = self.server.progress_path
         try:
