@@ -32,6 +32,7 @@ PRELOAD = (
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.models.commandr",
     "sglang.srt.layers.attention.torch_native_backend",
+    "sglang.srt.models.registry",  # imports every model module SGLang has, at each start
 )
 
 
