@@ -21,7 +21,7 @@ from pathlib import Path
 from canaries.releases.diffs import DiffSection, apply_section, diff_sections, read_diff
 from canaries.releases.errors import ReleaseError
 
-__all__ = ["SGLangPatch", "patch_catalogue", "patch_mirror", "patched_interpreter"]
+__all__ = ["SGLangPatch", "package_dir", "patch_catalogue", "patch_mirror", "patched_interpreter"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ def patch_catalogue() -> dict[str, SGLangPatch]:
     return {p.name: p for p in _CATALOGUE}
 
 
-def _package_dir(python: Path) -> Path:
+def package_dir(python: Path) -> Path:
+    """The `sglang` package directory `python` imports (a patched mirror where it runs one)."""
     proc = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('sglang').origin)"],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -161,7 +162,7 @@ def patched_interpreter(python: Path, version: str, patch_names: tuple[str, ...]
     the unified `diffs` (paths), under `workdir`; returns it and the combined diff. An empty
     diff applies nothing: the wrapper then runs the release as it is."""
     site = workdir / "site"
-    diff = patch_mirror(_package_dir(python), site, version, patch_names, diffs)
+    diff = patch_mirror(package_dir(python), site, version, patch_names, diffs)
     wrapper = workdir / "bin" / "python"
     wrapper.parent.mkdir(parents=True, exist_ok=True)
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{python}" "$@"\n',

@@ -24,12 +24,12 @@ import requests
 
 from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
-from canaries.server.launch import ServerLaunch, import_env
+from canaries.server.launch import ServerLaunch, import_env, plugin_pythonpath
 from canaries.server.model import ServerModel
 from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
 
-__all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError"]
+__all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError", "prestart_parent"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
@@ -89,6 +89,26 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _warm_parent(python: str, device: str):
+    """The warm parent (`canaries.server.fork_parent`) the CPU servers of `python` fork from."""
+    return fork_server(python, module=FORK_PARENT,
+                       env={**import_env(device), "PYTHONPATH": plugin_pythonpath(PLUGIN_DIR, REPO_ROOT)})
+
+
+def prestart_parent(python: str | os.PathLike, device: str = "cpu") -> None:
+    """Start the warm parent of `python`'s servers in the background, so that its imports (7-10 s)
+    overlap other work (`canary matrix` starts every column's at once); a failure is left for the
+    first server's start to raise. Nothing on a device that forks no server (CUDA)."""
+    if start_mode(os.environ.get("CANARY_ENGINE_START") or "auto", device) != "warm":
+        return
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            _warm_parent(str(python), device)
+
+    threading.Thread(target=start, name="canary-server-parent-start", daemon=True).start()
 
 
 class SGLangServer:
@@ -164,8 +184,7 @@ class SGLangServer:
         safety.install_sigterm_handler()
         started = time.monotonic()
         if self.start_mode == "warm":
-            parent = fork_server(self.python, module=FORK_PARENT,
-                                 env={**import_env(self.device), "PYTHONPATH": env["PYTHONPATH"]})
+            parent = _warm_parent(self.python, self.device)
             self.proc = parent.spawn(self.launch.args(), env, self.log_path, cwd=run_dir)
         else:
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -306,6 +325,15 @@ def _release_of(python: str) -> str | None:
     return installed_version(Path(python))
 
 
+@functools.cache
+def _sites_missing(python: str) -> dict[str, str]:
+    """The hook sites the sglang `python` imports (a patched copy's included) has no place for."""
+    from canaries.releases.patches import package_dir
+    from canaries.server.release_sites import missing_sites
+
+    return missing_sites(package_dir(Path(python)))
+
+
 class ServerUnsupported(RuntimeError):
     """The scenario asks for something this runtime cannot do on SGLang's server; the message
     names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
@@ -322,8 +350,10 @@ _HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device
 HOOKED_SITES = ("before_step", "on_window_eviction", "on_request_finish", "on_sampling", "on_chunk_boundary")
 
 
-def unsupported_kinds(perturbations: list[dict]) -> list[str]:
-    """Why each perturbation of a spec cannot be placed in SGLang's scheduler yet (empty: all can)."""
+def unsupported_kinds(perturbations: list[dict], missing: dict[str, str] | None = None,
+                      release: str = "") -> list[str]:
+    """Why each perturbation of a spec cannot be placed in SGLang's scheduler (empty: all can).
+    `missing` (`release_sites.missing_sites`): the sites `release` has no place for."""
     from engine_stub.perturb.kinds import KINDS
 
     reasons = []
@@ -335,13 +365,17 @@ def unsupported_kinds(perturbations: list[dict]) -> list[str]:
             reasons.append(f"perturbations[{index}]: kind {kind.name} acts at {kind.site.value}, "
                            "a site with no hook in SGLang's scheduler yet (hooked: "
                            f"{', '.join(HOOKED_SITES)})")
+        elif kind.site.value in (missing or {}):
+            reasons.append(f"perturbations[{index}]: kind {kind.name} acts at {kind.site.value}, which "
+                           f"SGLang {release or '?'}'s server cannot hook: {missing[kind.site.value]}")
     return reasons
 
 
-def spec_refusals(spec: dict) -> list[tuple[str, str]]:
+def spec_refusals(spec: dict, missing: dict[str, str] | None = None, release: str = "") -> list[tuple[str, str]]:
     """(field path, why) for each part of an engine spec (`runner.spec_for`, `engine_spec`) that
     SGLang's server cannot run as the scenario means it; empty: it can. `canary validate
-    --runtime sglang-server` reports them with their lines; a run refuses the scenario."""
+    --runtime sglang-server` reports them with their lines; a run refuses the scenario.
+    `missing`/`release`: the sites that release has no place for (`unsupported_kinds`)."""
     from canaries.server.launch import refusals
     from engine_stub.config import ConfigError, config_from_sources
 
@@ -352,7 +386,7 @@ def spec_refusals(spec: dict) -> list[tuple[str, str]]:
     except ConfigError as exc:
         return [("engine", str(exc))]
     found += [(f"engine.{field}", why) for field, why in refusals(config)]
-    for reason in unsupported_kinds(list(spec.get("perturbations") or [])):
+    for reason in unsupported_kinds(list(spec.get("perturbations") or []), missing, release):
         where, _, why = reason.partition(": ")
         found.append((f"{where}.kind", why))
     return found
@@ -404,7 +438,7 @@ class SGLangServerRuntime:
         from engine_stub.config import config_from_sources
 
         spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-        reasons = spec_refusals(spec)
+        reasons = spec_refusals(spec, _sites_missing(self.python), _release_of(self.python) or "")
         if reasons:
             self._unsupported(run_dir, "; ".join(f"{where}: {why}" for where, why in reasons))
         knobs = {k: v for k, v in (spec.get("engine") or {}).items() if k not in _HARNESS_KNOBS}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine_stub.config import EngineConfig
 
-__all__ = ["INVARIANT_LEVELS", "ServerLaunch", "import_env", "refusals"]
+__all__ = ["INVARIANT_LEVELS", "ServerLaunch", "import_env", "plugin_pythonpath", "refusals"]
 
 # SGLANG_INVARIANT_CHECK: 0 off, 1 warn (count and log), 2 strict (raise).
 INVARIANT_LEVELS = {"off": "0", "warn": "1", "strict": "2"}
@@ -87,8 +87,7 @@ class ServerLaunch:
         env = {
             "SGLANG_INVARIANT_CHECK": INVARIANT_LEVELS[self.config.invariant_check],
             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1" if self.config.strict_mem_check_during_idle else "0",
-            # The plugin directory first: its sitecustomize runs in every SGLang process.
-            "PYTHONPATH": f"{plugin_dir}:{repo_root}",
+            "PYTHONPATH": plugin_pythonpath(plugin_dir, repo_root),
             "PYTHONUNBUFFERED": "1",
             # The engine's window-eviction cadence (a request evicts once a window past its last
             # eviction, engine_stub/scheduler.py `swa_eviction_interval`): SGLang's default of 128
@@ -97,6 +96,12 @@ class ServerLaunch:
         }
         env.update(import_env(self.device))
         return env
+
+
+def plugin_pythonpath(plugin_dir: Path, repo_root: Path) -> str:
+    """PYTHONPATH of every server process (and of the warm parent they fork from): the plugin
+    directory first, so its sitecustomize runs in every SGLang process, then the suite."""
+    return f"{plugin_dir}:{repo_root}"
 
 
 def import_env(device: str) -> dict[str, str]:
