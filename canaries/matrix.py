@@ -4,7 +4,10 @@ Runs the selection once on `memory: native` and once per release column on `memo
 (every part of the memory path the release has), in that release's pinned venv, and puts each
 scenario x release cell beside the native verdict: `same`, `known` (the difference is recorded
 with its reason in configs/parity/sglang-<version>.yaml, or inherited: canaries/divergences.py) or
-`unexplained`. A column is a release on the index, a wheel or a source checkout, optionally with
+`unexplained`. With `runtime="sglang-server"` each column is that release's own server instead
+(its server venv, `make-sglang-venv.sh --server`), judged as `canary parity --runtime
+sglang-server` judges it: against configs/parity/server/, detectors compared within those the
+server has a line for. A column is a release on the index, a wheel or a source checkout, optionally with
 patches and diffs (canaries/releases/spec.py); each column's report says exactly what ran.
 Writes matrix.md, matrix.json and matrix.html; each column's run (verdicts, events, engine logs)
 is kept under `runs/<column>/`.
@@ -26,10 +29,13 @@ from typing import Any
 
 from canaries.divergences import known_divergences
 from canaries.parity import (
+    PARITY_DIR,
+    SERVER_PARITY_DIR,
     compare,
     detectors_of,
     engine_sglang_version,
     lost_sglang_hits,
+    refused_reason,
     unsupported_reason,
 )
 from canaries.releases import (
@@ -140,6 +146,7 @@ class MatrixResult:
     gate: GateResult | None
     report_dir: Path
     wall_seconds: float = 0.0  # the whole matrix (columns overlap: theirs add up to more)
+    runtime: str = "local"  # local: each release's memory path under our engine; sglang-server: its server
 
     @property
     def unexplained(self) -> list[tuple[str, str]]:
@@ -159,6 +166,7 @@ class MatrixResult:
 
     def to_dict(self) -> dict:
         return {
+            "runtime": self.runtime,
             "columns": [asdict(c) for c in self.columns],
             "native_seconds": round(self.native_seconds, 1),
             "wall_seconds": round(self.wall_seconds, 1),
@@ -172,13 +180,15 @@ class MatrixResult:
 
     def to_markdown(self) -> str:
         labels = [c.label for c in self.columns]
-        lines = ["# Release matrix: native vs SGLang's own memory path", "",
+        server = self.runtime == "sglang-server"
+        lines = [f"# Release matrix: native vs SGLang's own {'server' if server else 'memory path'}", "",
                  f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side).", "",
                  "| column | sglang | what ran | divergences | parts from SGLang | wall time |",
                  "|---|---|---|---|---|---|",
                  f"| native | - | - | - | - | {self.native_seconds:.0f}s |"]
         for c in self.columns:
-            parts = ", ".join(k for k, v in c.memory_parts.items() if v.startswith("sglang")) or "?"
+            parts = "all (its server)" if server else \
+                ", ".join(k for k, v in c.memory_parts.items() if v.startswith("sglang")) or "?"
             lines.append(f"| {c.label} | {c.version} | {c.source} | {c.divergences or '-'} | {parts} "
                          f"| {c.seconds:.0f}s |")
         lines += ["", "| scenario | native | " + " | ".join(labels) + " |",
@@ -186,7 +196,8 @@ class MatrixResult:
         for name, row in self.cells.items():
             shown = [_cell_md(row[label]) if label in row else "-" for label in labels]
             lines.append(f"| {name} | {row['native'].verdict} | " + " | ".join(shown) + " |")
-        lines += ["", "`=` same as native, `k` a known divergence (configs/parity/), `!` unexplained, "
+        lines += ["", f"`=` same as native, `k` a known divergence (configs/parity/{'server/' if server else ''}), "
+                  "`!` unexplained, "
                   "`n/a` the release cannot run it on this device (reason below); a struck verdict did "
                   "not pass the scenario's expectation.", ""]
         for c in self.columns:
@@ -222,12 +233,13 @@ def _cell_md(cell: Cell) -> str:
     return f"{verdict} {mark}".strip()
 
 
-def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path) -> dict[str, Cell]:
+def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir: Path,
+           comparable: frozenset[str] | None = None) -> dict[str, Cell]:
     passed = {r.scenario: r.passed for r in column}
     lost = {r.scenario: lost_sglang_hits(run_dir / r.scenario) for r in column}
-    unsupported = {r.scenario: unsupported_reason(run_dir / r.scenario) for r in column}
+    unsupported = {r.scenario: unsupported_reason(run_dir / r.scenario) or refused_reason(r) for r in column}
     out = {}
-    for row in compare(native, column, expected, lost, unsupported):
+    for row in compare(native, column, expected, lost, unsupported, comparable):
         verdict = "UNSUPPORTED" if row.status == "unsupported" else row.sglang
         out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
     return out
@@ -246,12 +258,14 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
 
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
                jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
-               last: str | None = None, candidate: str | None = None,
+               last: str | None = None, candidate: str | None = None, runtime: str = "local",
                log: Callable[[str], None] = print) -> MatrixResult:
     """Run the matrix into `report_dir`; see the module docstring.
 
     `columns_at_once` columns run side by side, each with `jobs` scenarios at once (one warm
     fork server per release); one display shows them all, each line naming its column.
+    `runtime`: `local` (each release's memory path under our engine) or `sglang-server` (each
+    release's own server; a patched column's server runs the patched copy).
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -261,8 +275,13 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     from canaries.runner import run_many
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
+    from canaries.runtime.sglang_server import prestart_parent
     from canaries.runtime.warm import close_fork_server, prestart
+    from canaries.server.log_events import SERVER_DETECTORS
 
+    if runtime not in ("local", "sglang-server"):
+        raise ReleaseError(f"runtime {runtime!r}: local or sglang-server")
+    server = runtime == "sglang-server"
     labels = [r.label for r in releases]
     for name, value in (("--last", last), ("--candidate", candidate)):
         if value is not None and value not in labels:
@@ -276,7 +295,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     pythons: dict[SGLangSource, Path] = {}
     for spec in releases:
         if spec.base not in pythons:
-            pythons[spec.base] = release_python(spec.base, build=build, log=log,
+            pythons[spec.base] = release_python(spec.base, build=build, log=log, server=server,
                                                 build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
     with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
         interpreters: dict[str, tuple[Path, str]] = {}
@@ -290,10 +309,14 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             if not same_version(version, spec.version):
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
-        # Each release's warm fork server imports torch and sglang (seconds): start them all now,
-        # so that a column's imports overlap the columns already running.
+        # Each release's warm fork server imports torch and sglang (seconds; a server's parent,
+        # SGLang's server modules too): start them all now, so that a column's imports overlap
+        # the columns already running.
         for python, _ in interpreters.values():
-            prestart(str(python), None, PRELOAD["sglang"])
+            if server:
+                prestart_parent(python)
+            else:
+                prestart(str(python), None, PRELOAD["sglang"])
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
@@ -301,11 +324,12 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
 
         def column(label: str) -> tuple[list, float]:
             python = None if label == "native" else str(interpreters[label][0])
+            sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
             t0 = time.monotonic()
             try:
                 records = run_many(scenarios, report_dir / "runs" / file_label(label), jobs=jobs, latch=latch,
                                    progress=Prefixed(f"[{label}]", shown) if shown else False,
-                                   **({} if python is None else {"memory": "sglang", "engine_python": python}))
+                                   **({} if python is None else {**sglang_side, "engine_python": python}))
             finally:
                 if python is not None:
                     close_fork_server(python)
@@ -328,14 +352,14 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         records, seconds = done[spec.label]
         python, diff = interpreters[spec.label]
         # A patched or diffed column is held to its base's divergences: the change is what is judged.
-        known = known_divergences(spec.version)
+        known = known_divergences(spec.version, SERVER_PARITY_DIR if server else PARITY_DIR)
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
                               _memory_parts(records), provenance[spec.label], known.describe()))
-        for name, cell in _cells(native, records, known.entries,
-                                 report_dir / "runs" / file_label(spec.label)).items():
+        for name, cell in _cells(native, records, known.entries, report_dir / "runs" / file_label(spec.label),
+                                 SERVER_DETECTORS if server else None).items():
             cells[name][spec.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
-    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds)
+    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
     write_atomic(report_dir / "matrix.html", matrix_html(result).encode())

@@ -23,7 +23,7 @@ SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences
 UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
 
 __all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "judge_parity", "rejudge", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
-           "lost_sglang_hits", "recorded_verdicts", "run_parity", "unsupported_reason"]
+           "lost_sglang_hits", "recorded_verdicts", "refused_reason", "run_parity", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def recorded_verdicts(entry: dict) -> tuple[str, ...]:
     return tuple(verdict) if isinstance(verdict, list) else (verdict,)
 
 
-def _refused(record: Any) -> str:
+def refused_reason(record: Any) -> str:
     """A runtime's refusal of the scenario (`ServerUnsupported: why` in its reason), or ""."""
     _, found, why = str(record.reason).partition("ServerUnsupported: ")
     return why.strip() if found else ""
@@ -233,7 +233,7 @@ def judge_parity(report_dir: Path, version: str, native: list[Any], sglang: list
     from canaries.report.atomic import write_atomic
 
     lost = {r.scenario: lost_sglang_hits(report_dir / "sglang" / r.scenario) for r in sglang}
-    unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) or _refused(r)
+    unsupported = {r.scenario: unsupported_reason(report_dir / "sglang" / r.scenario) or refused_reason(r)
                    for r in sglang}
     known = known_divergences(version, SERVER_PARITY_DIR if runtime == "sglang-server" else PARITY_DIR)
     comparable = None

@@ -415,7 +415,7 @@ def test_run_matrix_builds_one_venv_per_base_source(tmp_path: Path, monkeypatch)
 
     asked: list[object] = []
 
-    def release_python(source, *, build, log, build_log):
+    def release_python(source, *, build, log, build_log, server=False):
         asked.append(source)
         return Path(sys.executable)
 

@@ -6,9 +6,13 @@
     canary matrix --last 0.5.23 --candidate ./dist/sglang-0.5.24-...whl          # a wheel
     canary matrix --last 0.5.23 --candidate ~/src/sglang                         # a checkout
     canary matrix --last 0.5.23 --candidate 0.5.23+./pr.diff                     # a diff
+    canary matrix --runtime sglang-server --sglang 0.5.22,0.5.23                 # their servers
+    canary matrix --runtime sglang-server --last 0.5.22 --candidate 0.5.23       # the gate on servers
 
 A release is a version on the index, a wheel file or a source checkout, each optionally
-followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` parts.
+followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` parts. With
+`--runtime sglang-server` each column is that release's own server (its venv from
+`make-sglang-venv.sh --server`), a patched column's server running the patched copy.
 
 Exit 0 when every cell is explained (or, as a gate, when no scenario that passed on `--last`
 fails on `--candidate`), 1 otherwise (naming the scenarios), 2 on bad arguments or a release
@@ -30,7 +34,8 @@ from canaries.commands.common import (
 
 __all__ = ["add_parser", "run", "read_config"]
 
-_CONFIG_FIELDS = {"sglang", "last", "candidate", "jobs"}
+_CONFIG_FIELDS = {"sglang", "last", "candidate", "jobs", "runtime"}
+RUNTIMES = ("local", "sglang-server")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     matrix.add_argument("--jobs", "-j", type=int, default=None, help="scenarios run at once (default 1)")
     matrix.add_argument("--columns", type=int, default=3, metavar="N",
                         help="release columns run side by side (default 3; each runs --jobs scenarios)")
+    matrix.add_argument("--runtime", choices=RUNTIMES, default=None,
+                        help="SGLang's side: each release's memory path under our engine (local, default) or "
+                             "each release's own server (sglang-server; known divergences: configs/parity/server/)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
     matrix.set_defaults(func=run)
@@ -78,6 +86,8 @@ def read_config(path: str) -> dict:
             raise UsageError(f"{path}: {key}: a release, e.g. 0.5.23")
     if "jobs" in doc and (not isinstance(doc["jobs"], int) or doc["jobs"] < 1):
         raise UsageError(f"{path}: jobs: a positive integer")
+    if "runtime" in doc and doc["runtime"] not in RUNTIMES:
+        raise UsageError(f"{path}: runtime: one of {', '.join(RUNTIMES)}")
     return doc
 
 
@@ -95,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(last) != bool(candidate):
         raise UsageError("the gate needs both --last and --candidate")
     jobs = args.jobs or config.get("jobs") or 1
+    runtime = args.runtime or config.get("runtime") or "local"
     if jobs < 1:
         raise UsageError("--jobs: at least 1")
     if args.columns < 1:
@@ -124,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_matrix(scenarios, releases, report, jobs=jobs, columns_at_once=args.columns,
                             build=not args.no_build,
-                            last=last, candidate=candidate)
+                            last=last, candidate=candidate, runtime=runtime)
     except ReleaseError as exc:
         raise UsageError(str(exc)) from None
     except RunInterrupted:

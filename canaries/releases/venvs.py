@@ -2,7 +2,8 @@
 
 A release from the index lives in `.venv-sglang-<version>` in the repo root (0.5.23 may also be
 the historical `.venv-sglang`); a wheel in `.venv-sglang-wheel-<sha256[:12]>`; a source tree in
-`.venv-sglang-tree-<sha256(path)[:12]>`. A venv counts only if the sglang it imports is the one
+`.venv-sglang-tree-<sha256(path)[:12]>`. A venv that also runs SGLang's server
+(`make-sglang-venv.sh --server`) has `-server` after `.venv-sglang` in each of those names. A venv counts only if the sglang it imports is the one
 asked for: the release's version, the wheel's hash, the tree (a tree's venv is re-checked at
 every use, since the tree may have changed what it imports). The closure each venv holds is
 resolved by canaries/releases/closure.py and recorded in its `sglang-closure.lock`.
@@ -43,14 +44,16 @@ def find_python(version: str, root: Path = REPO, *, server: bool = False) -> Pat
     return None
 
 
-def venv_for(source: Any, root: Path = REPO) -> tuple[Path, str]:
-    """The venv a non-index source builds into, and the identity its lock must carry."""
+def venv_for(source: Any, root: Path = REPO, *, server: bool = False) -> tuple[Path, str]:
+    """The venv a non-index source builds into (`server`: the one that runs its server too), and
+    the identity its lock must carry."""
     from canaries.releases.closure import identity
 
+    kind = "-server" if server else ""
     if source.kind == "wheel":
-        return root / f".venv-sglang-wheel-{file_sha256(source.path)[:12]}", identity(source)
+        return root / f".venv-sglang{kind}-wheel-{file_sha256(source.path)[:12]}", identity(source)
     digest = hashlib.sha256(str(Path(source.path)).encode()).hexdigest()
-    return root / f".venv-sglang-tree-{digest[:12]}", identity(source)
+    return root / f".venv-sglang{kind}-tree-{digest[:12]}", identity(source)
 
 
 def installed_version(python: Path) -> str | None:
@@ -64,21 +67,24 @@ def installed_version(python: Path) -> str | None:
 
 def release_python(source: Any, *, build: bool = True, root: Path = REPO,
                    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-                   build_log: Path | None = None) -> Path:
+                   build_log: Path | None = None, server: bool = False) -> Path:
     """The interpreter of `source`'s venv, built first when there is none and `build` allows.
 
     `source` is a release version (`"0.5.22"`) or an `SGLangSource` (kind index, wheel or
-    tree). Raises ReleaseError when it cannot be had (the message says how to build it, or the
+    tree); `server`: the venv that runs SGLang's server too (`make-sglang-venv.sh --server`).
+    Raises ReleaseError when it cannot be had (the message says how to build it, or the
     builder's own one-line reason)."""
     kind, version = getattr(source, "kind", "index"), getattr(source, "version", source)
+    flags = ["--server"] if server else []
     if kind == "index":
-        found = find_python(version, root)
+        found = find_python(version, root, server=server)
         if found is not None:
             return found
-        target, args, identity = root / f".venv-sglang-{version}", ["--version", version], ""
+        target = venv_candidates(version, root, server=server)[0]
+        args, identity = [*flags, "--version", version], ""
     else:
-        target, identity = venv_for(source, root)
-        args = ["--source", str(source.path)]
+        target, identity = venv_for(source, root, server=server)
+        args = [*flags, "--source", str(source.path)]
         lock = target / VENV_LOCK
         if (kind == "wheel" and installed_version(target / "bin" / "python") == version and lock.is_file()
                 and identity in lock.read_text(encoding="utf-8")):
