@@ -52,8 +52,9 @@ def matrix_html(result: Any) -> str:
         items = "".join(f"<li>regression: <b>{escape(n)}</b></li>" for n in g.regressions)
         items += "".join(f"<li>fixed: {escape(n)}</li>" for n in g.fixed)
         gate = f'<h2 class="{cls}">Gate {escape(g.last)} &rarr; {escape(g.candidate)}: {word}</h2><ul>{items}</ul>'
+    side = "servers" if result.runtime == "sglang-server" else "memory paths"
     return (f"<!doctype html><meta charset=utf-8><title>Release matrix</title><style>{_STYLE}</style>"
-            f"<h1>Release matrix</h1><p>native: {result.native_seconds:.0f}s; "
+            f"<h1>Release matrix: SGLang's {side}</h1><p>native: {result.native_seconds:.0f}s; "
             f"{len(result.unexplained)} unexplained cell(s)</p>{gate}"
             f"<table><tr><th>scenario</th><th>native</th>{head}</tr>{''.join(rows)}</table>"
             f"<h2>Differences from native</h2><ul>{''.join(notes) or '<li>none</li>'}</ul>")
