@@ -23,7 +23,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,8 @@ from canaries.releases import (
 from canaries.releases.spec import file_label
 from canaries.releases.versions import same_version, version_key
 
-__all__ = ["Cell", "GateResult", "MatrixResult", "Column", "describe_provenance", "gate", "run_matrix"]
+__all__ = ["Cell", "GateResult", "MatrixResult", "Column", "describe_provenance", "gate", "rejudge_matrix",
+           "run_matrix"]
 
 
 @dataclass(frozen=True)
@@ -271,13 +272,11 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
 
     from canaries.progress import Prefixed, progress_for
     from canaries.report.atomic import write_atomic
-    from canaries.report.matrix_html import matrix_html
     from canaries.runner import run_many
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
     from canaries.runtime.sglang_server import prestart_parent
     from canaries.runtime.warm import close_fork_server, prestart
-    from canaries.server.log_events import SERVER_DETECTORS
 
     if runtime not in ("local", "sglang-server"):
         raise ReleaseError(f"runtime {runtime!r}: local or sglang-server")
@@ -345,22 +344,69 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             done = {label: future.result() for label, future in runs.items()}
         wall_seconds = time.monotonic() - started
     native, native_seconds = done["native"]
-    cells: dict[str, dict[str, Cell]] = {
-        r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
     columns = []
     for spec in releases:
         records, seconds = done[spec.label]
         python, diff = interpreters[spec.label]
-        # A patched or diffed column is held to its base's divergences: the change is what is judged.
-        known = known_divergences(spec.version, SERVER_PARITY_DIR if server else PARITY_DIR)
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
-                              _memory_parts(records), provenance[spec.label], known.describe()))
-        for name, cell in _cells(native, records, known.entries, report_dir / "runs" / file_label(spec.label),
+                              _memory_parts(records), provenance[spec.label]))
+    return _judge(columns, {label: records for label, (records, _) in done.items()}, native_seconds,
+                  report_dir, wall_seconds, runtime, last, candidate)
+
+
+def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
+           wall_seconds: float, runtime: str, last: str | None, candidate: str | None) -> MatrixResult:
+    """Every column's cells against the native run and its release's known divergences, the gate,
+    and the three reports written into `report_dir`."""
+    from canaries.report.atomic import write_atomic
+    from canaries.report.matrix_html import matrix_html
+    from canaries.server.log_events import SERVER_DETECTORS
+
+    server = runtime == "sglang-server"
+    native = done["native"]
+    cells: dict[str, dict[str, Cell]] = {
+        r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
+    judged = []
+    for column in columns:
+        # A patched or diffed column is held to its base's divergences: the change is what is judged.
+        known = known_divergences(column.version, SERVER_PARITY_DIR if server else PARITY_DIR)
+        judged.append(replace(column, divergences=known.describe()))
+        for name, cell in _cells(native, done[column.label], known.entries,
+                                 report_dir / "runs" / file_label(column.label),
                                  SERVER_DETECTORS if server else None).items():
-            cells[name][spec.label] = cell
+            cells[name][column.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
-    result = MatrixResult(columns, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
+    result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
     write_atomic(report_dir / "matrix.html", matrix_html(result).encode())
     return result
+
+
+def _records(path: Path) -> list[Any]:
+    """A column's kept verdicts (`runs/<column>/verdicts.jsonl`) as the records the cells read."""
+    from types import SimpleNamespace
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (not a matrix report, or that column never ran)")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [SimpleNamespace(**{"firings": [], "latency": {}, "reason": "", "passed": False, "extra": {}, **r})
+            for r in rows if "scenario" in r and "verdict" in r]
+
+
+def rejudge_matrix(report_dir: str | Path) -> MatrixResult:
+    """Judge a kept matrix report again against today's known divergences (configs/parity/):
+    its columns, runtime and gate are its matrix.json's, its verdicts each column's kept run;
+    nothing reruns. The reports are rewritten. ValueError for a directory that is no matrix report."""
+    report_dir = Path(report_dir)
+    try:
+        doc = json.loads((report_dir / "matrix.json").read_text(encoding="utf-8"))
+        columns = [Column(**{**c, "patches": tuple(c.get("patches") or ())}) for c in doc["columns"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{report_dir}: not a matrix report ({exc})") from None
+    done = {label: _records(report_dir / "runs" / file_label(label) / "verdicts.jsonl")
+            for label in ["native", *(c.label for c in columns)]}
+    gate_doc = doc.get("gate") or {}
+    return _judge(columns, done, float(doc.get("native_seconds", 0.0)), report_dir,
+                  float(doc.get("wall_seconds", 0.0)), doc.get("runtime", "local"),
+                  gate_doc.get("last"), gate_doc.get("candidate"))

@@ -34,6 +34,46 @@ def test_matrix_config_with_an_unknown_runtime_is_a_usage_error(tmp_path: Path, 
     assert "runtime: one of local, sglang-server" in capsys.readouterr().err
 
 
+def _kept_matrix(root: Path, runtime: str) -> Path:
+    """A matrix report as `canary matrix` keeps it: one 0.5.22 column whose server gave
+    clean-page12-radix a FALSE_ALARM (SGLang's idle check), native CLEAN."""
+    column = {"label": "0.5.22", "version": "0.5.22", "python": "/venv/bin/python", "seconds": 1.0,
+              "patches": [], "diff": "", "memory_parts": {}, "provenance": {"kind": "index"}, "divergences": ""}
+    (root / "matrix.json").parent.mkdir(parents=True, exist_ok=True)
+    (root / "matrix.json").write_text(json.dumps({"runtime": runtime, "columns": [column], "native_seconds": 1.0,
+                                                   "wall_seconds": 2.0, "gate": None}), encoding="utf-8")
+    for label, record in (("native", {"verdict": "CLEAN", "passed": True}),
+                          ("0.5.22", {"verdict": "FALSE_ALARM", "passed": False,
+                                      "firings": [{"detector": "idle.full_ledger"}]})):
+        (root / "runs" / label).mkdir(parents=True)
+        (root / "runs" / label / "verdicts.jsonl").write_text(
+            json.dumps({"scenario": "clean-page12-radix", **record}) + "\n", encoding="utf-8")
+    return root
+
+
+def test_rejudged_server_matrix_reads_the_release_server_divergences(tmp_path: Path, capsys) -> None:
+    report = _kept_matrix(tmp_path / "report", "sglang-server")
+    assert canary(["matrix", "--rejudge", str(report)]) == 0
+    doc = json.loads((report / "matrix.json").read_text(encoding="utf-8"))
+    cell = doc["scenarios"]["clean-page12-radix"]["0.5.22"]
+    assert cell["status"] == "known" and "checkpoint_into_tree" in cell["reason"]
+    assert doc["columns"][0]["divergences"] == "sglang-0.5.22.yaml, sglang-0.5.23.yaml (inherited)"
+    assert "native vs SGLang's own server" in capsys.readouterr().out
+
+
+def test_rejudged_memory_path_matrix_holds_the_same_cell_unexplained(tmp_path: Path) -> None:
+    """The server's divergence is not the memory path's: configs/parity/ has no such entry."""
+    report = _kept_matrix(tmp_path / "report", "local")
+    assert canary(["matrix", "--rejudge", str(report)]) == 1
+    doc = json.loads((report / "matrix.json").read_text(encoding="utf-8"))
+    assert doc["unexplained"] == [{"scenario": "clean-page12-radix", "release": "0.5.22"}]
+
+
+def test_rejudge_of_a_directory_that_is_no_matrix_report_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    assert canary(["matrix", "--rejudge", str(tmp_path)]) == 2
+    assert "not a matrix report" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_server_gate_fails_on_planted_regressions_that_unmodified_release_passes(tmp_path: Path) -> None:

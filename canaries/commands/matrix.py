@@ -8,6 +8,7 @@
     canary matrix --last 0.5.23 --candidate 0.5.23+./pr.diff                     # a diff
     canary matrix --runtime sglang-server --sglang 0.5.22,0.5.23                 # their servers
     canary matrix --runtime sglang-server --last 0.5.22 --candidate 0.5.23       # the gate on servers
+    canary matrix --rejudge reports/matrix-<run>/      # judge a kept matrix again (nothing reruns)
 
 A release is a version on the index, a wheel file or a source checkout, each optionally
 followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` parts. With
@@ -59,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "each release's own server (sglang-server; known divergences: configs/parity/server/)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
+    matrix.add_argument("--rejudge", metavar="DIR",
+                        help="judge this matrix report's kept runs again against today's known divergences "
+                             "(its columns, runtime and gate as they ran; nothing reruns)")
     matrix.set_defaults(func=run)
 
 
@@ -93,10 +97,17 @@ def read_config(path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from canaries.commands.run import select
-    from canaries.matrix import run_matrix
+    from canaries.matrix import rejudge_matrix, run_matrix
     from canaries.releases import ReleaseError, match_release, parse_releases
     from canaries.runner import RunInterrupted, default_report_dir, new_run_id
 
+    if args.rejudge:
+        try:
+            result = rejudge_matrix(args.rejudge)
+        except ValueError as exc:
+            raise UsageError(f"--rejudge: {exc}") from None
+        print(result.to_markdown())
+        return EXIT_OK if result.ok else EXIT_FAILED
     config = read_config(args.config) if args.config else {}
     where = "--sglang" if args.sglang else f"{args.config}: sglang" if config else "--sglang"
     raw = args.sglang or config.get("sglang") or []
