@@ -7,7 +7,9 @@ allocator's `full_to_swa_index_mapping` and free pages, and the `SWAKVPool`'s K 
 requests, the stats its trigger events come from, the event log), so the same triggers, targets
 and kinds run unchanged; their landings are the project's landing events, with their damage.
 
-The attributes read here are 0.5.23's (`req.kv`, `ReqKvInfo`); another release may need its own.
+The attributes read here are 0.5.23's (`req.kv`, `ReqKvInfo`), and 0.5.22's are the same names
+(its `ReqKvInfo`, allocator and pools differ only in fields the view does not read); a release
+without `ReqKvInfo` is refused before it runs (`release_sites`).
 """
 
 from __future__ import annotations

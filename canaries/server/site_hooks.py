@@ -1,4 +1,5 @@
-"""The engine's hook sites other than `before_step`, placed in SGLang 0.5.23's own code.
+"""The engine's hook sites other than `before_step`, placed in SGLang's own code (0.5.22 and 0.5.23:
+the same functions, `release_sites` checks a release has each).
 
 Each wrapper builds the site's context from SGLang's request and the slots it is about to act on,
 lets the armed `Perturber` fold the effect, and applies it with SGLang's own calls:
@@ -84,6 +85,8 @@ def window_eviction(original: Callable[..., None]) -> Callable[..., None]:
     SGLang computes the frontier and frees `req_to_token[row, frontier:new_frontier]` through one
     `free_segment(slots, start_pos=frontier)` call, then sets the request's evicted length; the
     hook stands in for that call and, where a kind moved the frontier, sets it after SGLang did.
+    The frontier itself is the release's: 0.5.22 keeps `max(window, page)` (common.py l.100),
+    0.5.23 rounds that up to whole pages (l.116); the hook sees whichever slots the release frees.
     """
     component_default = (original.__kwdefaults__ or {}).get("component_type")
 
