@@ -35,6 +35,7 @@ from canaries.parity import (
     detectors_of,
     engine_sglang_version,
     lost_sglang_hits,
+    recorded_verdicts,
     refused_reason,
     unsupported_reason,
 )
@@ -62,6 +63,10 @@ class Cell:
     passed: bool
     status: str  # native | same | known | unexplained
     reason: str = ""
+    # The release's known divergence for this scenario lists the native verdict among the ones the
+    # run's timing decides between: one run passing and another failing with the recorded verdict
+    # says nothing about the release (the gate leaves it unjudged).
+    timing: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class GateResult:
     regressions: tuple[str, ...]
     fixed: tuple[str, ...]
     unjudged: tuple[str, ...] = ()  # one of the two releases cannot run it here
+    timing: tuple[str, ...] = ()  # passed on one, failed on the other, recorded as timing-dependent
 
     @property
     def ok(self) -> bool:
@@ -124,7 +130,7 @@ class GateResult:
 
 def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]]) -> GateResult:
     """Compare two columns of `cells` (scenario -> column -> Cell)."""
-    regressions, fixed, unjudged = [], [], []
+    regressions, fixed, unjudged, timing = [], [], [], []
     for name, row in cells.items():
         before, after = row.get(last), row.get(candidate)
         if before is None or after is None:
@@ -132,11 +138,15 @@ def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]]) -> GateRe
         if "unsupported" in (before.status, after.status):
             unjudged.append(name)
             continue
-        if before.passed and not after.passed:
+        failing = after if before.passed else before
+        if before.passed != after.passed and failing.timing and failing.status == "known":
+            # The failure is the recorded one of a timing-dependent divergence, not a new verdict.
+            timing.append(name)
+        elif before.passed and not after.passed:
             regressions.append(name)
         elif after.passed and not before.passed:
             fixed.append(name)
-    return GateResult(last, candidate, tuple(regressions), tuple(fixed), tuple(unjudged))
+    return GateResult(last, candidate, tuple(regressions), tuple(fixed), tuple(unjudged), tuple(timing))
 
 
 @dataclass
@@ -223,6 +233,9 @@ class MatrixResult:
             if g.unjudged:
                 lines.append(f"- not judged ({len(g.unjudged)}): one of the two releases cannot run it on "
                              f"this device: {', '.join(g.unjudged)}")
+            if g.timing:
+                lines.append(f"- not judged ({len(g.timing)}): passes on one and fails on the other, and its "
+                             f"divergence is recorded as timing-dependent: {', '.join(g.timing)}")
         return "\n".join(lines) + "\n"
 
 
@@ -242,7 +255,9 @@ def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir
     out = {}
     for row in compare(native, column, expected, lost, unsupported, comparable):
         verdict = "UNSUPPORTED" if row.status == "unsupported" else row.sglang
-        out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
+        recorded = recorded_verdicts(expected[row.scenario]) if row.scenario in expected else ()
+        timing = len(recorded) > 1 and row.native in recorded
+        out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason, timing)
     return out
 
 

@@ -231,3 +231,20 @@ def test_parity_with_sglang_allocator_runs_only_the_allocator_from_the_release(t
     verdict = json.loads((report / "sglang" / "clean-page1-radix" / "verdict.json").read_text())
     assert verdict["extra"]["memory_parts"] == {"allocator": "sglang-0.5.23", "radix_cache": "native",
                                                 "req_to_token": "native"}
+
+
+def test_gate_leaves_a_recorded_timing_dependent_failure_unjudged() -> None:
+    """SGLang's server batches requests as they arrive: a divergence recorded as [INCONCLUSIVE,
+    CLEAN] passes on one run and fails on the next, and the gate says so instead of failing."""
+    cells = {"hang-up": {"native": _cell("CLEAN", True, "native"), "last": Cell("CLEAN", (), True, "same", "", True),
+                         "cand": Cell("INCONCLUSIVE", (), False, "known", "500s on some runs", True)}}
+    result = gate("last", "cand", cells)
+    assert result.ok and result.regressions == () and result.timing == ("hang-up",)
+
+
+def test_gate_names_a_new_failure_of_a_timing_dependent_scenario() -> None:
+    """A verdict the divergence does not record (a planted leak's FALSE_ALARM) is a regression."""
+    cells = {"hang-up": {"native": _cell("CLEAN", True, "native"), "last": Cell("CLEAN", (), True, "same", "", True),
+                         "cand": Cell("FALSE_ALARM", ("idle.full_ledger",), False, "unexplained", "", True)}}
+    result = gate("last", "cand", cells)
+    assert not result.ok and result.regressions == ("hang-up",) and result.timing == ()

@@ -51,6 +51,7 @@ def matrix_html(result: Any) -> str:
         cls, word = ("gate-pass", "PASS") if g.ok else ("gate-fail", "FAIL")
         items = "".join(f"<li>regression: <b>{escape(n)}</b></li>" for n in g.regressions)
         items += "".join(f"<li>fixed: {escape(n)}</li>" for n in g.fixed)
+        items += "".join(f"<li>timing-dependent, not judged: {escape(n)}</li>" for n in g.timing)
         gate = f'<h2 class="{cls}">Gate {escape(g.last)} &rarr; {escape(g.candidate)}: {word}</h2><ul>{items}</ul>'
     side = "servers" if result.runtime == "sglang-server" else "memory paths"
     return (f"<!doctype html><meta charset=utf-8><title>Release matrix</title><style>{_STYLE}</style>"
