@@ -161,6 +161,7 @@ class SGLangServer:
         self.event_log = run_dir / "events.jsonl"
         self.progress_path = run_dir / "progress"
         self.idle_path = run_dir / "idle"
+        self._events_read, self._crash_seen = 0, False  # a new event log (an earlier one set aside)
         env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
                EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path),
                IDLE_ENV: str(self.idle_path)}
