@@ -98,3 +98,12 @@ def test_library_knob_scenarios_validate_for_the_server_runtime() -> None:
     assert len(paths) == 3
     for path in paths:
         assert spec_refusals(spec_for(load_scenario(path), None, None)) == [], path.name
+
+
+def test_validate_for_our_engine_names_the_knob_field_at_its_line(capsys) -> None:
+    from canaries.cli import main
+
+    assert main(["validate", str(KNOBS / "knob-real-kv-used.yaml")]) == 1
+    out = capsys.readouterr().out
+    assert "knob-real-kv-used.yaml:8: perturbations[0].via: --runtime local: sglang_knob" in out
+    assert main(["validate", "--runtime", "sglang-server", str(KNOBS / "knob-real-kv-used.yaml")]) == 0
