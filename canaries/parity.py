@@ -169,12 +169,14 @@ def _first_latency(record: Any) -> int | None:
 
 def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
             lost: dict[str, str] | None = None, unsupported: dict[str, str] | None = None,
-            comparable: frozenset[str] | None = None) -> list[ParityRow]:
+            comparable: frozenset[str] | None = None,
+            native_unsupported: dict[str, str] | None = None) -> list[ParityRow]:
     """One row per scenario; `lost` (scenario -> `lost_sglang_hits`) makes a row unexplained
     whatever its verdict: a hit SGLang counted and the engine never reported; `unsupported`
     (scenario -> `unsupported_reason`) makes an INCONCLUSIVE row `unsupported`: the release
     cannot run that configuration here. `comparable`: the detectors both sides can report (the
-    server's set); None: all of them."""
+    server's set); None: all of them. `native_unsupported`: the same for our side (a scenario
+    only SGLang's server can run: its own knobs)."""
     def compared(record: Any) -> tuple[str, ...]:
         found = detectors_of(record)
         return found if comparable is None else tuple(d for d in found if d in comparable)
@@ -189,6 +191,8 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
         known = expected.get(n.scenario)
         if (lost or {}).get(n.scenario):
             status, reason = "unexplained", lost[n.scenario]
+        elif n.verdict == "INCONCLUSIVE" and (native_unsupported or {}).get(n.scenario):
+            status, reason = "unsupported", f"ours: {native_unsupported[n.scenario]}"
         elif s.verdict == "INCONCLUSIVE" and (unsupported or {}).get(n.scenario):
             status, reason = "unsupported", unsupported[n.scenario]
         elif same:
@@ -241,8 +245,11 @@ def judge_parity(report_dir: Path, version: str, native: list[Any], sglang: list
         from canaries.server.log_events import SERVER_DETECTORS
 
         comparable = SERVER_DETECTORS
-    rows = compare(native, sglang, known.entries, lost, unsupported, comparable)
-    result = ParityResult(version, rows, [r.scenario for r in native if not r.passed], report_dir,
+    native_unsupported = {r.scenario: unsupported_reason(report_dir / "native" / r.scenario) for r in native}
+    rows = compare(native, sglang, known.entries, lost, unsupported, comparable, native_unsupported)
+    result = ParityResult(version, rows,
+                          [r.scenario for r in native if not r.passed and not native_unsupported[r.scenario]],
+                          report_dir,
                           known.describe(), "server" if runtime == "sglang-server" else "memory path")
     write_atomic(report_dir / "parity.md", result.to_markdown().encode())
     write_atomic(report_dir / "parity.json", json.dumps(

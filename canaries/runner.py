@@ -332,6 +332,22 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, default=str) + "\n")
 
 
+def _refuse_sglang_knobs(spec: dict, runtime: str, run_dir: Path) -> None:
+    """A perturbation `via: sglang_knob` is SGLang's own knob: only its server has it. Elsewhere
+    the run is refused up front (INCONCLUSIVE, counted unsupported by `canary parity`)."""
+    from canaries.parity import UNSUPPORTED_NOTE
+
+    if runtime == "sglang-server":
+        return
+    for index, item in enumerate(spec.get("perturbations") or []):
+        if isinstance(item, dict) and item.get("via", "engine") != "engine":
+            reason = (f"perturbations[{index}].via: {item['via']}: SGLang's own perturbation knob; only "
+                      "SGLang's server runs it (--runtime sglang-server)")
+            with contextlib.suppress(OSError):
+                (run_dir / UNSUPPORTED_NOTE).write_text(reason + "\n", encoding="utf-8")
+            raise RuntimeError(reason)
+
+
 def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
                  device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
                  patience: Patience | None = None, engine_root: str | os.PathLike | None = None,
@@ -393,6 +409,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     try:
         if _CANCEL.is_set():
             raise _Cancelled
+        _refuse_sglang_knobs(spec, runtime, run_dir)
         if runtime == "sglang-server":
             oracle = _ServerOracle(scenario, spec, plan, run_dir, patience or patience_for(workload, rt))
         base_url = rt.start(spec_path, run_dir)

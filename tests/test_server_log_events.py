@@ -3,6 +3,7 @@ are SGLang 0.5.23's, as its server wrote them on this machine's CPU."""
 
 from __future__ import annotations
 
+from canaries.server.knobs import KNOB_INDEX_ENV
 from canaries.server.log_events import events_of_line, events_of_record
 from canaries.verdict.record import detector_of
 
@@ -60,7 +61,7 @@ def test_plugin_writes_sglang_records_as_events_stamped_with_the_scheduler_step(
             self.forward_ct = 0
 
     monkeypatch.setenv(scheduler_plugin.EVENT_LOG_ENV, str(tmp_path / "events.jsonl"))
-    monkeypatch.setenv(scheduler_plugin.PERTURB_INDEX_ENV, "0")
+    monkeypatch.setenv(KNOB_INDEX_ENV, '{"req_to_token": 0}')
     monkeypatch.setenv("SGLANG_INVARIANT_CHECK", "1")
     scheduler_plugin._watch(FakeScheduler)
     scheduler = FakeScheduler()

@@ -109,3 +109,19 @@ def test_clean_control_on_the_real_server_is_clean_and_records_the_server(tmp_pa
     assert server["sglang_version"] == "0.5.23"
     assert "--skip-server-warmup" in server["args"] and server["env"]["SGLANG_INVARIANT_CHECK"] == "2"
     assert _processes_under(tmp_path) == []
+
+
+def test_sglangs_own_req_to_token_knob_lands_as_the_scenarios_perturbation_and_its_canary_catches_it(
+        tmp_path: Path) -> None:
+    """`via: sglang_knob`: SGLang's SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB does the damage, each
+    of its lines is the scenario's landing with the entry it rewrote."""
+    _require_server_venv()
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "sglang-knobs" / "knob-req-to-token-invariants-off.yaml")
+    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server")
+    assert record.verdict == "DISABLED_AS_DECLARED", record.reason
+    server = record.extra["server"]
+    assert server["env"]["SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"] == "0.25"
+    assert server["env"]["SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"] == "4"
+    landed = record.to_dict()["landed"]
+    assert landed and landed[0]["site"] == "sglang:kv_canary_perturb" and landed[0]["step"] >= 4
+    assert landed[0]["damage"][0]["kind"] == "req_to_token"

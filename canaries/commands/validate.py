@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     problems, warnings = check_paths(files)
     if args.runtime == "sglang-server" and not problems:
         problems = _server_refusals(files)
+    elif not problems:
+        problems = _knob_refusals(files, args.runtime)
     for p in [*problems, *warnings]:
         sys.stdout.write(f"{p}\n")
     # Every problem line is out before the summary goes to the other stream: where both end up
@@ -41,6 +43,28 @@ def run(args: argparse.Namespace) -> int:
     noted = f" ({len(warnings)} warning(s))" if warnings else ""
     print(f"{len(files)} scenarios OK{noted}")
     return EXIT_OK
+
+
+def _knob_refusals(files: list, runtime: str) -> list:
+    """Perturbations `via: sglang_knob` (SGLang's own knobs) on a runtime that runs our engine."""
+    from pathlib import Path
+
+    from canaries.scenario import load_paths
+    from canaries.scenario.model import Problem
+    from canaries.scenario.yamldoc import read_doc
+
+    scenarios, _, _ = load_paths(files)
+    problems = []
+    for scenario in scenarios:
+        doc = None
+        for index, spec in enumerate(scenario.perturbations):
+            if spec.via != "engine":
+                doc = doc or read_doc(Path(scenario.path))
+                where = f"perturbations[{index}].via"
+                problems.append(Problem(scenario.path, doc.line(where), where,
+                                        f"--runtime {runtime}: {spec.via} is SGLang's own perturbation knob; "
+                                        "only SGLang's server runs it (--runtime sglang-server)"))
+    return problems
 
 
 def _server_refusals(files: list) -> list:

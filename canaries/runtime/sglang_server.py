@@ -24,6 +24,7 @@ import requests
 
 from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
+from canaries.server.knobs import knob_env, knob_refusals
 from canaries.server.launch import ServerLaunch, import_env, plugin_pythonpath
 from canaries.server.model import ServerModel
 from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
@@ -135,6 +136,7 @@ class SGLangServer:
         self._log_file = None
         self._lock = threading.Lock()
         self._exit_code: int | None = None
+        self.extra_env: dict[str, str] = {}  # what `start` added (SGLang's knobs among them)
         self._events_read = 0  # how far `crashed` has read the event log
         self._crash_seen = False
 
@@ -143,6 +145,7 @@ class SGLangServer:
 
         Its scheduler writes the suite's events to `run_dir/events.jsonl` (the plugin);
         `extra_env` adds variables (SGLang's own perturbation knobs)."""
+        self.extra_env = dict(extra_env or {})
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
                 return self._start_once(run_dir, extra_env)
@@ -178,6 +181,7 @@ class SGLangServer:
         self.event_log = run_dir / "events.jsonl"
         self.progress_path = run_dir / "progress"
         self.idle_path = run_dir / "idle"
+        self._events_read, self._crash_seen = 0, False  # a new event log (an earlier one set aside)
         env = {**os.environ, **self.launch.env(PLUGIN_DIR, REPO_ROOT), **(extra_env or {}),
                EVENT_LOG_ENV: str(self.event_log), PROGRESS_ENV: str(self.progress_path),
                IDLE_ENV: str(self.idle_path)}
@@ -389,7 +393,20 @@ def spec_refusals(spec: dict, missing: dict[str, str] | None = None, release: st
     for reason in unsupported_kinds(list(spec.get("perturbations") or []), missing, release):
         where, _, why = reason.partition(": ")
         found.append((f"{where}.kind", why))
-    return found
+    specs = _perturbation_specs(spec)
+    if isinstance(specs, tuple):
+        return [*found, specs]
+    return found + knob_refusals(specs, spec.get("engine") or {})
+
+
+def _perturbation_specs(spec: dict) -> list | tuple[str, str]:
+    """The spec's perturbations parsed, or (field path, why) for the first bad one."""
+    from engine_stub.perturb.spec import SpecError, parse_perturbations
+
+    try:
+        return parse_perturbations(spec.get("perturbations"))
+    except SpecError as exc:
+        return (exc.path, exc.message)
 
 
 class SGLangServerRuntime:
@@ -447,6 +464,7 @@ class SGLangServerRuntime:
                                    ready_timeout=self.ready_timeout, start=self.requested_start)
         self.start_mode = self.server.start_mode
         extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
+        extra.update(knob_env(_perturbation_specs(spec)))  # SGLang's own knobs (`via: sglang_knob`)
         try:
             return self.server.start(run_dir, extra)
         except ServerStartError:
@@ -482,7 +500,9 @@ class SGLangServerRuntime:
         if server is None or server.launch is None:
             return None
         return {"sglang_version": _release_of(self.python), "python": self.python,
-                "args": server.launch.args(), "env": server.launch.env(PLUGIN_DIR, REPO_ROOT),
+                "args": server.launch.args(),
+                "env": {**server.launch.env(PLUGIN_DIR, REPO_ROOT),
+                        **{k: v for k, v in server.extra_env.items() if k.startswith("SGLANG_")}},
                 "start_mode": server.start_mode, "started_s": round(server.started_s, 3)}
 
     def _crashed(self) -> bool:

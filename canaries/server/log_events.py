@@ -14,7 +14,7 @@ import re
 
 from engine_stub.detectors import detector
 
-__all__ = ["CANARY_REASONS", "events_of_line", "events_of_record", "landing_of_line"]
+__all__ = ["CANARY_REASONS", "events_of_line", "events_of_record"]
 
 # kv_canary/runner/violation_reporter.py `_format_violation` (a format SGLang's tests freeze):
 # `kv_canary violation: launch_tag=HEAD_K_FULL fail_reason=verify_chain_hash+verify_position
@@ -126,27 +126,6 @@ def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dic
         if found:
             return found
     return []
-
-
-# kv_canary/perturb: `kv_canary perturb req_to_token: req_pool_idx=4 position=2 original_slot=3
-# new_slot=1`, one line per entry SGLang's own perturbation rewrote.
-_R2T_PERTURB_RE = re.compile(r"kv_canary perturb req_to_token: req_pool_idx=(?P<row>\d+) position=(?P<position>\d+) "
-                             r"original_slot=(?P<before>-?\d+) new_slot=(?P<after>-?\d+)")
-
-
-def landing_of_line(line: str, *, step: int, index: int) -> dict | None:
-    """The landing one of SGLang's own perturbation lines records (the scenario's perturbation
-    `index`), with its damage in the engine's terms, or None."""
-    match = _R2T_PERTURB_RE.search(line)
-    if match is None:
-        return None
-    row, position = int(match["row"]), int(match["position"])
-    before, after = int(match["before"]), int(match["after"])
-    return {"kind": "perturbation_landed", "index": index, "perturbation": "corrupt_req_to_token",
-            "site": "sglang:kv_canary_perturb", "step": step, "row": row, "position": position,
-            "before": before, "after": after,
-            "damage": [{"kind": "req_to_token", "position": position, "row": row, "before": before,
-                        "after": after, "detail": "sglang_perturb"}]}
 
 
 # The engine's detectors SGLang's server has a line for (the table in docs/sglang-server.md):

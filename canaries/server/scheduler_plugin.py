@@ -26,16 +26,15 @@ from types import ModuleType
 
 from canaries.server import site_hooks
 from canaries.server.import_hooks import after_import
-from canaries.server.log_events import events_of_record, landing_of_line
+from canaries.server.knobs import KNOB_INDEX_ENV, landing_of_line
+from canaries.server.log_events import events_of_record
 
-__all__ = ["EVENT_LOG_ENV", "IDLE_ENV", "PERTURB_INDEX_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
+__all__ = ["EVENT_LOG_ENV", "IDLE_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
 
 EVENT_LOG_ENV = "CANARY_SERVER_EVENT_LOG"
 # The run's spec (spec.json: engine knobs, perturbations, seed): the project's own kinds, armed in
 # the scheduler process at their triggers.
 SPEC_ENV = "CANARY_SERVER_SPEC"
-# The index, in the scenario, of the perturbation SGLang's own req_to_token knob carries out.
-PERTURB_INDEX_ENV = "CANARY_SERVER_R2T_PERTURB_INDEX"
 # Where the scheduler's step count goes after every batch (the harness's watchdog reads it: a
 # hang is no progress, not a slow CPU).
 PROGRESS_ENV = "CANARY_SERVER_PROGRESS"
@@ -57,9 +56,9 @@ class EventLogHandler(logging.Handler):
         self._seq = 0
         self._lock = threading.Lock()
         self._level = _LEVELS.get(os.environ.get("SGLANG_INVARIANT_CHECK", "0"), "OFF")
-        index = os.environ.get(PERTURB_INDEX_ENV)
-        self._perturb_index = int(index) if index not in (None, "") else None
-        self._landings = 0
+        # {SGLang knob: the scenario perturbation it carries out} (canaries/server/knobs.py)
+        self._knob_index: dict[str, int] = json.loads(os.environ.get(KNOB_INDEX_ENV) or "{}")
+        self._landings: dict[int, int] = {}
 
     def step(self) -> int:
         scheduler = self._scheduler()
@@ -83,12 +82,12 @@ class EventLogHandler(logging.Handler):
         if record.exc_info:
             text += "\n" + logging.Formatter().formatException(record.exc_info)
         step = self.step()
-        if self._perturb_index is not None:
+        if self._knob_index:
             for line in text.splitlines():
-                landing = landing_of_line(line, step=step, index=self._perturb_index)
+                landing = landing_of_line(line, step=step, indices=self._knob_index)
                 if landing is not None:
-                    self._landings += 1
-                    self.write({**landing, "landing": self._landings})
+                    count = self._landings[landing["index"]] = self._landings.get(landing["index"], 0) + 1
+                    self.write({**landing, "landing": count})
         for event in events_of_record(text, step=step, level=self._level):
             self.write(event)
 
@@ -223,7 +222,7 @@ def _arm(scheduler: object, spec_path: str, write) -> None:
     from canaries.server.sglang_view import SchedulerFacade, SGLangView
     from engine_stub.perturb.loader import load_engine_scenario
 
-    knobs, perturber = load_engine_scenario(spec_path)
+    knobs, perturber = load_engine_scenario(spec_path, sglang_knobs=True)
     if perturber is None:
         return
     window, page_size = int(knobs.get("window", 16)), int(knobs.get("page_size", 1))

@@ -42,6 +42,7 @@ class Perturber:
             _Armed(i, spec, KINDS[spec.kind], KINDS[spec.kind].resolved_params(spec.params),
                    random.Random(seed * 1_000_003 + i))
             for i, spec in enumerate(specs)
+            if spec.via == "engine"  # SGLang's own knob carries out the others (its server only)
         ]
         self.sites = {a.kind.site for a in self.armed}
         self._events_seen: set[str] = set()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from engine_stub.perturb.kinds import KindInfo
 
 __all__ = ["GROUP_WORDS", "POSITION_WORDS", "REQUEST_WORDS", "TARGET", "TRIGGER", "TRIGGER_EVENTS",
-           "VALUE_WORDS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec",
+           "VALUE_WORDS", "VIA_WORDS", "PerturbationSpec", "SpecError", "TargetSpec", "TriggerSpec",
            "check_perturbations", "item_schema", "parse_perturbations"]
 
 TRIGGER_EVENTS = ("window_cross", "first_swa_eviction", "request_finish", "cache_hit", "chunk_boundary")
@@ -39,6 +39,9 @@ POSITION_WORDS = ("in_window", "retained_unread", "out_of_window", "last")
 REQUEST_WORDS = ("random", "all", "cached")
 VALUE_WORDS = ("other_live_slot", "freed_slot", "zero", "minus_one")
 GROUP_WORDS = ("full", "swa")
+# Who carries a perturbation out: the engine's own kind at its hook site, or SGLang's own
+# perturbation knob (`SGLANG_KV_CANARY_PERTURB_*`), which only SGLang's server has.
+VIA_WORDS = ("engine", "sglang_knob")
 
 
 class SpecError(ValueError):
@@ -137,9 +140,10 @@ class PerturbationSpec:
     trigger: TriggerSpec = field(default_factory=TriggerSpec)
     target: TargetSpec = field(default_factory=TargetSpec)
     params: dict[str, Any] = field(default_factory=dict)  # as written; defaults are the kind's
+    via: str = "engine"  # VIA_WORDS; sglang_knob: SGLang's knob does it, the engine never arms it
 
 
-ITEM_KEYS = ("kind", "trigger", "target", "params")
+ITEM_KEYS = ("kind", "trigger", "target", "params", "via")
 
 
 def _registered() -> Mapping[str, KindInfo]:
@@ -190,10 +194,11 @@ def check_perturbations(raw: Any, report: Report, kinds: Mapping[str, KindInfo] 
         target = TARGET.parse(item.get("target"), f"{item_path}.target", note)
         params = (info.params.parse(item.get("params"), f"{item_path}.params", note)
                   if info is not None else INVALID)
-        if bad or INVALID in (trigger, target, params):
+        via = Choice(VIA_WORDS).parse(item.get("via", "engine"), f"{item_path}.via", note)
+        if bad or INVALID in (trigger, target, params, via):
             continue
         specs.append(PerturbationSpec(info.name, TriggerSpec(**trigger), TargetSpec(**target),
-                                      dict(params)))
+                                      dict(params), via))
     return specs
 
 
@@ -214,6 +219,7 @@ def item_schema(kinds: Mapping[str, KindInfo] | None = None) -> dict:
             "trigger": TRIGGER.schema(),
             "target": TARGET.schema(),
             "params": {"type": "object"},
+            "via": {"enum": list(VIA_WORDS)},
         },
         "allOf": [{"if": {"properties": {"kind": {"const": name}}, "required": ["kind"]},
                    "then": {"properties": {"params": info.params.schema()}}}
