@@ -111,8 +111,13 @@ def _expand(pages: torch.Tensor, page: int, offsets: torch.Tensor) -> torch.Tens
 def _free_pages(side: Any) -> torch.Tensor:
     """A sub-allocator's free list with its staged frees, int64 page ids (holes read 0).
 
-    SGLang's sub-allocators keep the same two lists (the staged one None when unused or one
-    tensor), page ids on pages and slot ids on page_size 1, as ours."""
+    SGLang's sub-allocators keep the same lists (page ids on pages, slot ids on page_size 1, as
+    ours) and say which with `get_all_free_pages` (0.5.23's paged one stages its frees in a
+    list of its own); elsewhere the staged one is None when unused, or one tensor."""
+    every = getattr(side, "get_all_free_pages", None)
+    if every is not None:
+        pages = every()
+        return (side.free_pages if pages is None else pages).to(torch.int64)
     staged = getattr(side, "release_pages", None)
     staged = [] if staged is None else [staged] if isinstance(staged, torch.Tensor) else list(staged)
     return torch.cat([side.free_pages, *staged]).to(torch.int64)
@@ -246,11 +251,22 @@ class MemoryCensus:
             # SGLang's tree: its node lock counts (full, and SWA by uuid over whole nodes) are not
             # in the tree core's backend-neutral interface; its protected size is the union of
             # the locked paths (each lock covers root to its node).
-            report.skipped.append("census.lock_count: per-node and SWA lock counts (memory: sglang)")
-            held = [tree.locked_slots(lock) for lock in locks]
-            union = torch.unique(torch.cat(held)).numel() if held else 0
-            report.add(LOCK_COUNT, torch.tensor(tree.full_protected_size() == union),
-                       f"full protected size {tree.full_protected_size()} != {union} locked slots")
+            report.skipped.append("census.lock_count: per-node and SWA lock counts (SGLang's tree)")
+            held = [tree.locked_slots(lock).to(torch.int64) for lock in locks]
+            union = torch.unique(torch.cat(held)) if held else self._empty()
+            report.add(LOCK_COUNT, torch.tensor(tree.full_protected_size() == union.numel()),
+                       f"full protected size {tree.full_protected_size()} != {union.numel()} locked slots")
+            # Which nodes are locked is readable where their counts are not: every locked node
+            # lies on a request's locked path, and every node on such a path is locked.
+            locked = tree.locked_node_slots().to(torch.int64)
+            stray = locked[~torch.isin(locked, union)]
+            bare = union[~torch.isin(union, locked)]
+            report.add(LOCK_COUNT, torch.tensor(stray.numel() == 0),
+                       f"{stray.numel()} slots of locked nodes no request's lock holds (a lock outlived "
+                       "its request)", slots=stray)
+            report.add(LOCK_COUNT, torch.tensor(bare.numel() == 0),
+                       f"{bare.numel()} slots of a request's locked prefix on unlocked nodes (a lock "
+                       "released under its request)", slots=bare)
             self._window_locked(report, holders)
             return
         expected: dict[int, list[int]] = {}

@@ -128,14 +128,16 @@ def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dic
     return []
 
 
-# The engine's detectors SGLang's server has a line for (the table in docs/sglang-server.md):
-# `canary parity --runtime sglang-server` compares detectors within this set; the census, the
-# scheduler's stalls and prefix check, the radix sanity check and our allocator's drops exist on
-# our engine only.
+# The engine's detectors SGLang's server has (the table in docs/sglang-server.md): its own lines,
+# and the suite's census and radix sanity check, run inside its scheduler process
+# (canaries/server/census.py). `canary parity --runtime sglang-server` compares detectors within
+# this set; the scheduler's stalls and prefix check and our allocator's drops exist on our engine
+# only.
 SERVER_DETECTORS = frozenset({
     "kv_canary.verify_chain_hash", "kv_canary.verify_position", "kv_canary.verify_real_kv_hash",
     "kv_canary.write_token", "swa.peer_mapped", "swa.peer_released", "idle.full_ledger",
-    "idle.swa_ledger", "idle.req_rows_ledger", "alloc.pool_bound",
+    "idle.swa_ledger", "idle.req_rows_ledger", "alloc.pool_bound", "idle.radix_sanity",
+    "census.slot_owner", "census.peer_live", "census.lock_count", "census.ledger", "census.row_matches",
 })
 
 # managers/scheduler.py run_scheduler_process: the scheduler's last words before it dies.

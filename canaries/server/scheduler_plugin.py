@@ -107,6 +107,7 @@ def _watch(scheduler_class: type) -> None:
         handler.write({"kind": "engine_start", "step": 0, "runtime": "sglang-server",
                        "config": {"invariant_check": handler._level.lower()}})
         original(self, *args, **kwargs)
+        _arm_census(self, handler)
         if os.environ.get(SPEC_ENV):
             _arm(self, os.environ[SPEC_ENV], handler.write)
 
@@ -168,6 +169,9 @@ def _hook_steps(scheduler_class: type) -> None:
         armed = getattr(self, "_canary_perturber", None)
         if armed is not None and batch is not None:
             armed[1].finished_requests += sum(1 for r in batch.reqs if r.finished())
+        census = getattr(self, "_canary_census", None)
+        if census is not None:
+            census.after_batch()
         return out
 
     scheduler_class.run_batch = run_batch_perturbed
@@ -179,6 +183,9 @@ def _hook_steps(scheduler_class: type) -> None:
             fully_idle = self.is_fully_idle()
             out = on_idle(self, *args, **kwargs)
             if fully_idle:  # its leak and tree checks ran (managers/scheduler.py `on_idle`)
+                census = getattr(self, "_canary_census", None)
+                if census is not None:
+                    census.at_idle()  # then the suite's own (strict: may stop the scheduler)
                 _note_idle_pass()
             return out
 
@@ -215,6 +222,19 @@ def _note_progress(step: int) -> None:
     if _progress_fd is None:
         _progress_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     os.pwrite(_progress_fd, f"{step:>20}\n".encode(), 0)
+
+
+def _arm_census(scheduler: object, handler: EventLogHandler) -> None:
+    """The suite's census of this scheduler's memory (canaries/server/census.py), or a
+    `census_refused` event naming what of this release it cannot read."""
+    from canaries.server.census import ServerCensus, unreadable
+
+    reason = unreadable(scheduler)
+    if reason is not None:
+        handler.write({"kind": "census_refused", "step": 0, "reason": reason})
+        return
+    window = int(getattr(scheduler, "sliding_window_size", None) or 0)
+    scheduler._canary_census = ServerCensus(scheduler, window, handler.write, handler.step)
 
 
 def _arm(scheduler: object, spec_path: str, write) -> None:

@@ -95,7 +95,7 @@ import torch
 
 from engine_stub.mem.radix import CachedPath, MatchResult, UnfinishedResult
 
-__all__ = ["SGLangLock", "SGLangRadixCache", "TreeRelease", "tree_release"]
+__all__ = ["SGLangLock", "SGLangRadixCache", "SGLangTreeReader", "TreeRelease", "tree_release"]
 
 # Allocator calls of the tree that go through our scheduler's allocator where it has them.
 _ROUTED_CALLS = frozenset({
@@ -208,6 +208,118 @@ class _Walk:
     live: set[int] = field(default_factory=set)
 
 
+class SGLangTreeReader:
+    """What a running SGLang `UnifiedRadixCache` holds, read through its tree core's
+    backend-neutral interface (`walk_for_kv_canary`, `collect_full_device_indices`, the size
+    counters): the Rust core (0.5.23's default) has no Python nodes to walk.
+
+    Read-only. `memory: sglang`'s tree reads its own cache through it, and the suite's census
+    reads the cache of SGLang's real server (canaries/server/census.py).
+
+    Args:
+        impl: the `UnifiedRadixCache`.
+        allocator: the hybrid allocator whose `full_to_swa_index_mapping` the tree's slots are
+            read through (read at each call), with its `device`.
+        page_size: the allocator's page size.
+    """
+
+    def __init__(self, impl: Any, allocator: Any, page_size: int) -> None:
+        self.impl = impl
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = allocator.device
+
+    def full_evictable_size(self) -> int:
+        return int(self.impl.full_evictable_size())
+
+    def full_protected_size(self) -> int:
+        return int(self.impl.full_protected_size())
+
+    def swa_evictable_size(self) -> int:
+        return int(self.impl.swa_evictable_size())
+
+    def swa_protected_size(self) -> int:
+        return int(self.impl.swa_protected_size())
+
+    def total_size(self) -> int:
+        """Tokens cached (full side), tombstones included."""
+        return int(self.impl.total_size()[0])
+
+    def held_slots(self) -> torch.Tensor:
+        """Every FULL slot the tree holds, int64."""
+        return self._ints(self.walk().slots)
+
+    def path_slots(self, node: int) -> torch.Tensor:
+        """The FULL slots of the prefix root..`node`, int64."""
+        core = self.impl.tree_core
+        return core.collect_full_device_indices(node, core.root_node_handle()).to(torch.int64)
+
+    def locked_slots(self, lock: Any) -> torch.Tensor:
+        """The FULL slots of the prefix `lock` (anything with the `node` it locks) holds."""
+        return self.path_slots(lock.node)
+
+    def held_swa_slots(self) -> torch.Tensor:
+        """The SWA peers of the slots of every SWA-live node, int64 (unmapped ones read 0)."""
+        walk = self.walk(live=True)
+        live = self._ints([s for s in walk.slots if s in walk.live])
+        return self.allocator.full_to_swa_index_mapping[live].to(torch.int64)
+
+    def locked_node_slots(self) -> torch.Tensor:
+        """The FULL slots of every node some lock holds (its lock count above 0), int64: the
+        walk of every node less the walk of the unlocked ones (no lock count is readable on the
+        Rust core, only whether a node is locked)."""
+        core = self.impl.tree_core
+        unlocked = set(core.walk_for_kv_canary(unlocked_only=True, swa_resident_only=False).slot_indices.tolist())
+        return self._ints([s for s in self.walk().slots if s not in unlocked])
+
+    def cached_paths(self) -> list[CachedPath]:
+        """One `CachedPath` per leaf of the walk, in its (depth-first) order."""
+        walk = self.walk(live=True)
+        return [CachedPath(slots=self._ints(path), token_ids=[],
+                           swa_live=torch.tensor([s in walk.live for s in path], dtype=torch.bool))
+                for path in _leaf_paths(walk.slots, walk.prev)]
+
+    def sanity_problems(self) -> list[str]:
+        """Problems found (empty when sane), at idle: SGLang's own `sanity_check` (it asserts,
+        among others, that nothing is locked), the size counters' locks, and what the walk
+        shows against the allocator's mapping."""
+        problems = []
+        try:
+            self.impl.sanity_check()
+        except AssertionError as exc:  # SGLang's check asserts (both tree cores)
+            problems.append(f"SGLang's sanity_check: {str(exc)[:500]}")
+        locked = (self.full_protected_size(), self.swa_protected_size())
+        if any(locked):
+            problems.append(f"protected at idle: full={locked[0]}, swa={locked[1]} (a lock leaked)")
+        walk = self.walk(live=True)
+        held = self._ints(walk.slots)
+        if bool((held < self.page_size).any()):
+            problems.append("the tree holds the padding page's slots")
+        unique, counts = torch.unique(held, return_counts=True)
+        if bool((counts > 1).any()):
+            problems.append(f"slots held twice: {unique[counts > 1].tolist()[:20]}")
+        if held.numel():
+            peers = self.allocator.full_to_swa_index_mapping[held.clamp(min=0)]
+            live = torch.tensor([s in walk.live for s in walk.slots], dtype=torch.bool)
+            if bool((peers[live] <= 0).any()):
+                problems.append(f"SWA-live slots without a peer: {held[live & (peers <= 0)].tolist()[:20]}")
+            if bool((peers[~live] != 0).any()):
+                problems.append(f"tombstoned slots still mapped: {held[~live & (peers != 0)].tolist()[:20]}")
+        return problems
+
+    def walk(self, *, live: bool = False) -> _Walk:
+        """The walk's rows; with `live`, which of their slots are SWA-live."""
+        core = self.impl.tree_core
+        rows = core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
+        walk = _Walk(rows.slot_indices.tolist(), rows.prev_slot_indices.tolist())
+        if live:
+            walk.live = set(core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=True).slot_indices.tolist())
+        return walk
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
 class SGLangRadixCache:
     """SGLang's `UnifiedRadixCache` (FULL + SWA) with `SWARadixCache`'s interface; see the
     module docstring for what differs per release.
@@ -247,6 +359,7 @@ class SGLangRadixCache:
             tree_components=(ComponentType.FULL, ComponentType.SWA),
         )
         self.impl = UnifiedRadixCache(params)
+        self.reader = SGLangTreeReader(self.impl, allocator, page_size)
         self.tree_core_name = type(self.impl.tree_core).__name__
         self._last_match: _LastMatch | None = None
         self._branching_locks: list[SGLangLock] = []
@@ -410,72 +523,47 @@ class SGLangRadixCache:
         if self.total_size():
             raise RuntimeError(f"SGLang's evict left {self.total_size()} tokens in the tree")
 
-    # ---- sizes and views -----------------------------------------------------------------------
+    # ---- sizes and views (SGLangTreeReader's) ------------------------------------------------
 
     def full_evictable_size(self) -> int:
-        return int(self.impl.full_evictable_size())
+        return self.reader.full_evictable_size()
 
     def full_protected_size(self) -> int:
-        return int(self.impl.full_protected_size())
+        return self.reader.full_protected_size()
 
     def swa_evictable_size(self) -> int:
-        return int(self.impl.swa_evictable_size())
+        return self.reader.swa_evictable_size()
 
     def swa_protected_size(self) -> int:
-        return int(self.impl.swa_protected_size())
+        return self.reader.swa_protected_size()
 
     def total_size(self) -> int:
         """Tokens cached (full side), tombstones included."""
-        return int(self.impl.total_size()[0])
+        return self.reader.total_size()
 
     def held_slots(self) -> torch.Tensor:
         """Every FULL slot the tree holds, int64."""
-        return self._ints(self._walk().slots)
+        return self.reader.held_slots()
 
     def locked_slots(self, lock: SGLangLock) -> torch.Tensor:
         """The FULL slots of the prefix `lock` locks (root to its node), int64."""
-        return self._path_slots(lock.node)
+        return self.reader.locked_slots(lock)
 
     def held_swa_slots(self) -> torch.Tensor:
         """The SWA peers of the slots of every SWA-live node, int64 (unmapped ones read 0)."""
-        walk = self._walk(live=True)
-        live = self._ints([s for s in walk.slots if s in walk.live])
-        return self.allocator.full_to_swa_index_mapping[live].to(torch.int64)
+        return self.reader.held_swa_slots()
+
+    def locked_node_slots(self) -> torch.Tensor:
+        """The FULL slots of every locked node, int64 (`SGLangTreeReader.locked_node_slots`)."""
+        return self.reader.locked_node_slots()
 
     def cached_paths(self) -> list[CachedPath]:
         """One `CachedPath` per leaf of the walk, in its (depth-first) order."""
-        walk = self._walk(live=True)
-        return [CachedPath(slots=self._ints(path), token_ids=[],
-                           swa_live=torch.tensor([s in walk.live for s in path], dtype=torch.bool))
-                for path in _leaf_paths(walk.slots, walk.prev)]
+        return self.reader.cached_paths()
 
     def sanity_check(self) -> list[str]:
-        """Problems found (empty when sane), at idle: SGLang's own `sanity_check` (it asserts,
-        among others, that nothing is locked), the size counters' locks, and what the walk
-        shows against the allocator's mapping."""
-        problems = []
-        try:
-            self.impl.sanity_check()
-        except AssertionError as exc:  # SGLang's check asserts (both tree cores)
-            problems.append(f"SGLang's sanity_check: {str(exc)[:500]}")
-        locked = (self.full_protected_size(), self.swa_protected_size())
-        if any(locked):
-            problems.append(f"protected at idle: full={locked[0]}, swa={locked[1]} (a lock leaked)")
-        walk = self._walk(live=True)
-        held = self._ints(walk.slots)
-        if bool((held < self.page_size).any()):
-            problems.append("the tree holds the padding page's slots")
-        unique, counts = torch.unique(held, return_counts=True)
-        if bool((counts > 1).any()):
-            problems.append(f"slots held twice: {unique[counts > 1].tolist()[:20]}")
-        if held.numel():
-            peers = self.allocator.full_to_swa_index_mapping[held.clamp(min=0)]
-            live = torch.tensor([s in walk.live for s in walk.slots], dtype=torch.bool)
-            if bool((peers[live] <= 0).any()):
-                problems.append(f"SWA-live slots without a peer: {held[live & (peers <= 0)].tolist()[:20]}")
-            if bool((peers[~live] != 0).any()):
-                problems.append(f"tombstoned slots still mapped: {held[~live & (peers != 0)].tolist()[:20]}")
-        return problems
+        """Problems found (empty when sane), at idle (`SGLangTreeReader.sanity_problems`)."""
+        return self.reader.sanity_problems()
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -508,8 +596,7 @@ class SGLangRadixCache:
         return result.last_device_node, result.device_indices.to(torch.int64)
 
     def _path_slots(self, node: int) -> torch.Tensor:
-        core = self.impl.tree_core
-        return core.collect_full_device_indices(node, core.root_node_handle()).to(torch.int64)
+        return self.reader.path_slots(node)
 
     def _branching_lock_for(self, token_ids: list[int], slots: torch.Tensor, prev_prefix_len: int) -> SGLangLock | None:
         """The live lock of the request whose finish this insert is: a lock with a pending
@@ -544,17 +631,6 @@ class SGLangRadixCache:
         if hasattr(receipt, "component_lock_uuids"):
             return receipt.component_lock_uuids.get(self._swa)
         return receipt.swa_uuid_for_lock
-
-    def _walk(self, *, live: bool = False) -> _Walk:
-        core = self.impl.tree_core
-        rows = core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
-        walk = _Walk(rows.slot_indices.tolist(), rows.prev_slot_indices.tolist())
-        if live:
-            walk.live = set(core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=True).slot_indices.tolist())
-        return walk
-
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.allocator.device)
 
     def _check_aligned(self, n: int, n_slots: int, prev_prefix_len: int, evicted: int) -> None:
         page = self.page_size
