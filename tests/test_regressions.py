@@ -140,3 +140,15 @@ def test_a_scenario_naming_a_regression_judges_the_broken_engine(tmp_path: Path)
     assert "FULL_LEDGER, True" in (run_dir / "regressions.diff").read_text()
     assert json.loads((run_dir / "verdict.json").read_text())["verdict"] == "WRONG_DETECTOR"
     assert not (run_dir / "engine-src").exists(), "the mutated copy outlived the run"
+
+
+def test_planted_scenario_in_a_relative_report_dir_runs_its_planted_engine(tmp_path: Path, monkeypatch) -> None:
+    """A relative report dir (`--report-dir reports/x`) once put a relative engine copy on the
+    warm parent's PYTHONPATH, where it named nothing: the checkout's own engine ran, and the
+    negative test revert-pr-36723 read DETECTED instead of MISSED."""
+    from canaries.runner import run_scenario
+
+    monkeypatch.chdir(tmp_path)
+    scenario = load_scenario(next(p for p in discover() if p.stem == "revert-pr-36723"))
+    record = run_scenario(scenario, Path("reports") / scenario.name)
+    assert record.verdict == "MISSED" and record.passed, record.reason

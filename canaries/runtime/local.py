@@ -136,7 +136,9 @@ class LocalRuntime:
         # Absolute: the engine (and a warm fork server) runs in a directory of its own.
         self.python = os.path.abspath(python) if python and os.sep in python else (python or sys.executable)
         # A directory holding the engine_stub/ to run (a mutant, a commit); None: this checkout.
-        self.engine_root = engine_root
+        # Absolute too: a relative one on the engine's PYTHONPATH names nothing where the fork
+        # server runs, and the checkout's own engine_stub would run in its place.
+        self.engine_root = os.path.abspath(engine_root) if engine_root is not None else None
         # auto | warm | fresh (see canaries.runtime.warm); the mode that ran is `start_mode`.
         self.requested_start = start or os.environ.get(START_ENV) or "auto"
         if self.requested_start not in START_MODES:
