@@ -247,6 +247,13 @@ class MemoryCensus:
         if tree is None:
             return
         locks = [r.lock for r in holders if r.lock is not None and not r.lock.released]
+        for req in holders:
+            # What a request matched or inserted is the tree's; only its lock keeps the tree
+            # from evicting it under the request.
+            if req.cache_protected_len > 0 and (req.lock is None or req.lock.released):
+                report.add(LOCK_COUNT, torch.tensor(False),
+                           f"request {req.rid}: its cached prefix of {req.cache_protected_len} tokens "
+                           "is held by no lock")
         if not isinstance(tree, SWARadixCache):
             # SGLang's tree: its node lock counts (full, and SWA by uuid over whole nodes) are not
             # in the tree core's backend-neutral interface; its protected size is the union of
@@ -267,6 +274,10 @@ class MemoryCensus:
             report.add(LOCK_COUNT, torch.tensor(bare.numel() == 0),
                        f"{bare.numel()} slots of a request's locked prefix on unlocked nodes (a lock "
                        "released under its request)", slots=bare)
+            swa_held = any(not lock.swa_released for lock in locks)
+            report.add(LOCK_COUNT, torch.tensor(swa_held or tree.swa_protected_size() == 0),
+                       f"SWA protected size {tree.swa_protected_size()} with no request's lock holding "
+                       "an SWA part")
             self._window_locked(report, holders)
             return
         expected: dict[int, list[int]] = {}

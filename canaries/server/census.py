@@ -33,7 +33,10 @@ the requests, the tree and the free list, count-only. A firing is an `invariant_
 stamped with SGLang's step, as our engine's.
 
 A release whose objects lack what the census reads is refused when the scheduler is built
-(`unreadable`): a `census_refused` event names the attribute, and nothing is judged blind.
+(`unreadable`): a `census` event (`armed: false`, `unreadable: true`) names the attribute, and a
+verdict that would rest on the census is INCONCLUSIVE with that reason, never judged blind
+(canaries/runtime/sglang_server.py). `CANARY_SERVER_CENSUS=off` leaves it out on purpose (the
+benchmark's baseline).
 """
 
 from __future__ import annotations
@@ -48,8 +51,11 @@ import torch
 from engine_stub.census import CENSUS_RULES, CensusReport, MemoryCensus
 from engine_stub.detectors import detector
 
-__all__ = ["CensusViolation", "SchedulerMemory", "ServerCensus", "unreadable"]
+__all__ = ["CENSUS_ENV", "CensusViolation", "SchedulerMemory", "ServerCensus", "unreadable"]
 
+# `off` leaves the census out of the server (the benchmark's baseline, SGLang's own detectors
+# alone); anything else, or unset: on.
+CENSUS_ENV = "CANARY_SERVER_CENSUS"
 RADIX_SANITY = "idle.radix_sanity"
 _STRICT_IDLE_ENV = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"
 _LEVEL_ENV = "SGLANG_INVARIANT_CHECK"

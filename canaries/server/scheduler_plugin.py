@@ -225,16 +225,23 @@ def _note_progress(step: int) -> None:
 
 
 def _arm_census(scheduler: object, handler: EventLogHandler) -> None:
-    """The suite's census of this scheduler's memory (canaries/server/census.py), or a
-    `census_refused` event naming what of this release it cannot read."""
-    from canaries.server.census import ServerCensus, unreadable
+    """The suite's census of this scheduler's memory (canaries/server/census.py), unless
+    `CANARY_SERVER_CENSUS=off`; a `census` event says whether it is armed, and if the release's
+    objects lack what it reads, which attribute."""
+    from canaries.server.census import CENSUS_ENV, ServerCensus, unreadable
 
+    if os.environ.get(CENSUS_ENV, "on") == "off":
+        handler.write({"kind": "census", "step": 0, "armed": False, "reason": f"{CENSUS_ENV}=off"})
+        return
     reason = unreadable(scheduler)
     if reason is not None:
-        handler.write({"kind": "census_refused", "step": 0, "reason": reason})
+        handler.write({"kind": "census", "step": 0, "armed": False, "unreadable": True, "reason": reason})
         return
     window = int(getattr(scheduler, "sliding_window_size", None) or 0)
     scheduler._canary_census = ServerCensus(scheduler, window, handler.write, handler.step)
+    handler.write({"kind": "census", "step": 0, "armed": True,
+                   "strict_idle": scheduler._canary_census.strict_idle,
+                   "after_batches": scheduler._canary_census.strict_steps})
 
 
 def _arm(scheduler: object, spec_path: str, write) -> None:

@@ -44,6 +44,9 @@ class Facts:
     wrong_bucket: dict[str, str]
     consumed: tuple[dict, ...] = ()  # perturbation_consumed events: damage something read
     died: tuple[dict, ...] = ()  # perturbation_died events: damage gone unread
+    # Why the suite's census could not read the engine's state (SGLang's server: a release whose
+    # objects lack what it reads, canaries/server/census.py), or None where it ran or needs none.
+    census_unreadable: str | None = None
 
     @property
     def expect(self) -> Expect:
@@ -123,4 +126,6 @@ def facts_of(s: Scenario, obs: Observation) -> Facts:
         wrong_bucket=wrong_bucket,
         consumed=tuple(e for e in events if e.get("kind") == "perturbation_consumed"),
         died=tuple(e for e in events if e.get("kind") == "perturbation_died"),
+        census_unreadable=next((str(e.get("reason")) for e in events
+                                if e.get("kind") == "census" and e.get("unreadable")), None),
     )

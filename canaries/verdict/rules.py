@@ -24,7 +24,11 @@ the next). In order:
 
 Then `unreached`: a MISSED whose damage nothing ever read (the engine followed every damaged
 location: `perturbation_died` for each, `perturbation_consumed` for none) -> NOT_REACHED: no
-detector could have seen it, so the scenario, not a detector, is at fault. And `negative_test`:
+detector could have seen it, so the scenario, not a detector, is at fault. Then `blind`: where the
+suite's census could not read the engine's state (a `census` event saying so: an SGLang release
+whose objects lack what it reads), a verdict resting on it (a silence: CLEAN, MISSED, NOT_REACHED;
+or a census or radix-sanity detector the scenario names) -> INCONCLUSIVE with the reason: never
+judged blind. And `negative_test`:
 with `expect.verdict` set, passed = (verdict == expect.verdict); otherwise passed = verdict in
 PASSING.
 """
@@ -42,7 +46,7 @@ from canaries.verdict.record import Observation, VerdictRecord
 if TYPE_CHECKING:
     from canaries.scenario import Scenario
 
-__all__ = ["RULES", "judge", "steps_after", "unreached"]
+__all__ = ["RULES", "blind", "judge", "steps_after", "unreached"]
 
 Decision = tuple[str, str]
 Rule = Callable[[Facts], "Decision | None"]
@@ -220,6 +224,22 @@ def unreached(f: Facts, verdict: str, reason: str) -> Decision:
                            f"so no detector could have seen it; was: {reason}")
 
 
+# What only the suite's own census reads (engine_stub/census.py; on SGLang's server,
+# canaries/server/census.py).
+_CENSUS_READ = ("census.", "idle.radix_sanity")
+
+
+def blind(f: Facts, verdict: str, reason: str) -> Decision:
+    """-> INCONCLUSIVE where the verdict rests on a census that could not read the engine."""
+    if f.census_unreadable is None:
+        return verdict, reason
+    named = (*f.expect.fires, *f.expect.detected_by, *f.expect.silent)
+    if verdict in ("CLEAN", "MISSED", "NOT_REACHED") or any(d.startswith(_CENSUS_READ) for d in named):
+        return "INCONCLUSIVE", (f"the suite's census cannot read this engine's state "
+                                f"({f.census_unreadable}), and the verdict rests on it; was {verdict}: {reason}")
+    return verdict, reason
+
+
 def negative_test(f: Facts, verdict: str, reason: str) -> tuple[bool, str]:
     """(passed, reason): a negative test passes on exactly its expected verdict."""
     want = f.expect.verdict
@@ -234,6 +254,7 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
     verdict, reason = next((d for rule in RULES if (d := rule(f)) is not None), None) \
         or as_expected(f)
     verdict, reason = unreached(f, verdict, reason)
+    verdict, reason = blind(f, verdict, reason)
     passed, reason = negative_test(f, verdict, reason)
     expected = tuple(s.expect.fires) + tuple(s.expect.detected_by)
     first_kind = s.perturbations[0].kind if s.perturbations else "control"
