@@ -138,8 +138,9 @@ class SchedulerMemory:
     chunked_req = None  # the chunked request, if any, is among `running`
 
     def __init__(self, scheduler: Any, window: int) -> None:
-        from engine_stub.mem.sglang_tree import SGLangTreeReader
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        from engine_stub.mem.sglang_tree import SGLangTreeReader
 
         self._scheduler = scheduler
         self._swa = ComponentType.SWA
