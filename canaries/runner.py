@@ -208,86 +208,30 @@ class _Oracle:
         return self._mismatches, self._error
 
 
-class _ServerOracle:
-    """The oracle of a clean greedy scenario on SGLang's server: a clean server's answers to the
-    same plan (canaries/server/oracle.py, cached beside the run's report), computed on a thread
-    from the start of the run, beside the scenario's own server (a server's workload leaves a
-    core idle part of the time), and compared once the run's answers are in."""
-
-    def __init__(self, scenario: Any, spec: dict, plan: list[Planned], run_dir: Path, patience: Patience) -> None:
-        self._run_dir = run_dir
-        self._wanted = scenario.expect.clean and scenario.workload.temperature == 0
-        self._reference: dict[str, list[int]] | None = None
-        self._mismatches: list[dict] = []
-        self._error: str | None = None
-        self._thread: threading.Thread | None = None
-        if self._wanted:
-            self._thread = threading.Thread(
-                target=self._compute, args=(spec, plan, scenario.workload, scenario.seed, patience),
-                daemon=True, name="canary-server-oracle")
-            self._thread.start()
-
-    def _compute(self, spec: dict, plan: list[Planned], workload: Any, seed: int, patience: Patience) -> None:
-        try:
-            self._reference = server_clean_answers(spec, plan, self._run_dir, workload, seed, patience)
-        except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
-            self._error = f"the clean server's oracle failed: {type(exc).__name__}: {exc}"
-
-    def start(self, responses: list[dict]) -> None:
-        from canaries.server.oracle import mismatches
-        from canaries.verdict.record import detector_of
-
-        if self._thread is not None:
-            self._thread.join()
-        if not (self._wanted and responses):
-            return
-        if any(detector_of(e) is not None or e.get("kind") == "crash"
-               for e in _read_events(self._run_dir / "events.jsonl")):
-            self._error = None  # a detector fired or the engine died: no clean run can pass
-            return
-        if self._reference is not None:
-            self._mismatches = mismatches(self._reference, responses)
-
-    def result(self) -> tuple[list[dict], str | None]:
-        if self._thread is not None:
-            self._thread.join()  # a run that ended early still leaves no clean server behind
-        return self._mismatches, self._error
-
-
-def server_clean_answers(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
-                         patience: Patience) -> dict[str, list[int]]:
-    """A clean SGLang server's answers (by rid) to `plan` under `spec`'s engine section, cached in
-    `<report>/.server-oracle/` (RuntimeError if the clean server did not answer)."""
-    from canaries.runtime.sglang_server import SGLangServerRuntime
-    from canaries.server.oracle import ServerOracle
-
-    clean_spec = {**spec, "perturbations": []}
-    oracle = ServerOracle(run_dir.parent / ".server-oracle", clean_spec["engine"], plan, release="0.5.23")
-
-    def clean_run() -> list[dict]:
-        clean_dir = run_dir / "oracle"
-        clean_dir.mkdir(parents=True, exist_ok=True)
-        clean_path = clean_dir / "spec.json"
-        clean_path.write_text(json.dumps(clean_spec, indent=2, default=str) + "\n", encoding="utf-8")
-        clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S)
-        try:
-            return drive_workload(clean.start(clean_path, clean_dir), workload, seed, patience, plan=plan,
-                                  progress=clean.progress, hang_up_by=clean.hang_up_by)
-        finally:
-            clean.stop()
-
-    return oracle.reference(clean_run)
-
-
 def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
-                             patience: Patience, responses: list[dict]) -> tuple[list[dict], str | None]:
-    """`responses` (a run on SGLang's server) against `server_clean_answers`: (mismatches, error)."""
-    from canaries.server.oracle import mismatches
+                             patience: Patience, responses: list[dict],
+                             reference: Any = None) -> tuple[list[dict], str | None]:
+    """`responses` (a run on SGLang's server) against `reference`'s clean answers (default: the
+    plain server of the release the run's spec ran): (mismatches, error)."""
+    from canaries.server.oracle import clean_answers, mismatches
 
     try:
-        return mismatches(server_clean_answers(spec, plan, run_dir, workload, seed, patience), responses), None
+        if reference is None:
+            reference = _default_reference(spec)
+        return mismatches(clean_answers(reference, spec, plan, run_dir, workload, seed, patience), responses), None
     except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
-        return [], f"the clean server's oracle failed: {type(exc).__name__}: {exc}"
+        return [], f"the reference's answers failed: {type(exc).__name__}: {exc}"
+
+
+def _default_reference(spec: dict, python: str | None = None) -> Any:
+    """The plain server of the release `python` (default: the server venv's) runs."""
+    from canaries.releases.venvs import find_python, installed_version
+    from canaries.server.oracle import ServerReference
+
+    python = python or str(find_python("0.5.23", server=True) or "")
+    if not python:
+        raise RuntimeError("no venv runs SGLang's server here: bash scripts/make-sglang-venv.sh --server")
+    return ServerReference.of_release(python, installed_version(Path(python)) or "?")
 
 
 # ---- one scenario ----------------------------------------------------------------------------------
@@ -351,7 +295,7 @@ def _refuse_sglang_knobs(spec: dict, runtime: str, run_dir: Path) -> None:
 def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "local",
                  device: str | None = None, *, on_started: Callable[[Any], None] | None = None,
                  patience: Patience | None = None, engine_root: str | os.PathLike | None = None,
-                 memory: str | None = None, engine_python: str | None = None):
+                 memory: str | None = None, engine_python: str | None = None, reference: Any = None):
     """Run one scenario into `run_dir`; its VerdictRecord (never raises for an engine failure).
 
     `on_started(rt)` is called once the engine serves (tests use it to kill the engine).
@@ -361,6 +305,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     `engine_root`: a directory holding the `engine_stub/` to run instead of this checkout's
     (a mutant, another commit). `memory` overrides the scenario's memory backend (native|sglang)
     and `engine_python` the interpreter the engine runs under (a venv with sglang; local runtime).
+    `reference` (sglang-server): whose clean answers judge the run (`canaries.server.oracle.
+    ServerReference`; default: the plain server of the release under test).
     The run dir keeps a copy of the scenario file as it ran
     (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
@@ -411,7 +357,10 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             raise _Cancelled
         _refuse_sglang_knobs(spec, runtime, run_dir)
         if runtime == "sglang-server":
-            oracle = _ServerOracle(scenario, spec, plan, run_dir, patience or patience_for(workload, rt))
+            from canaries.server.oracle import ServerAnswerOracle
+
+            oracle = ServerAnswerOracle(scenario, spec, plan, run_dir, patience or patience_for(workload, rt),
+                                        reference or _default_reference(spec, getattr(rt, "python", None)))
         base_url = rt.start(spec_path, run_dir)
         mark("start")
         if _CANCEL.is_set():  # an engine that started as the run stopped
@@ -470,6 +419,12 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                       timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
                       error=error, hang=hang)
     record = judge(scenario, obs)
+    differs = (getattr(oracle, "record", lambda: None)() or {}).get("differs")
+    if differs and record.verdict in ("MISSED", "NOT_REACHED"):
+        # On SGLang's server nothing else follows the damage: an answer it changed was read.
+        rids = ", ".join(m["rid"] for m in differs[:5])
+        record = dataclasses.replace(record, reason=f"{record.reason}; answers differ from the reference "
+                                     f"for {rids}: the damage was read")
     # Whose each part of the memory path was (ours, or an SGLang release's), as the engine said.
     start = next((e for e in events if e.get("kind") == "engine_start"), None) or {}
     record.extra["memory_parts"] = start.get("memory_parts")
@@ -482,6 +437,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                          "engine_python": engine_python,
                          "exit_code": exit_code, "phases_s": phases,
                          "server": getattr(rt, "server_record", lambda: None)(),
+                         "oracle": getattr(oracle, "record", lambda: None)(),
                          "repro": f"canary run {scenario.path} --runtime {runtime}"
                                   + (f" --device {device}" if device else "")})
     with contextlib.suppress(OSError):
@@ -539,7 +495,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
              runtime: str = "local", device: str | None = None, progress: Any = True,
              latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None,
              engine_root: str | os.PathLike | None = None, memory: str | None = None,
-             engine_python: str | None = None) -> list:
+             engine_python: str | None = None, reference: Any = None) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
     at the end. Returns one record per scenario, in order.
 
@@ -580,7 +536,8 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         t0 = time.monotonic()
         try:
             record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
-                                  engine_root=engine_root, memory=memory, engine_python=engine_python)
+                                  engine_root=engine_root, memory=memory, engine_python=engine_python,
+                                  reference=reference)
         except Exception as exc:  # noqa: BLE001 - this scenario's harness failed; the run goes on
             record = _harness_failed(sc, exc)
         return i, record, time.monotonic() - t0

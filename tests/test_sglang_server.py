@@ -67,19 +67,27 @@ def test_request_level_regression_fails_the_real_server_where_memory_sglang_cann
     assert _processes_under(tmp_path) == []
 
 
-def test_allocator_regression_is_missed_on_the_real_server(tmp_path: Path) -> None:
+def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path: Path, monkeypatch) -> None:
     """`free-swa-contract-removed` drops PR #36723's check from SGLang's own `free_swa`: the
     library's corrupt-r2t-zero-page1 (DETECTED by `swa.peer_mapped` on the unmodified release's
-    server, measured in docs/sglang-server.md) lands its perturbation and nothing fires."""
+    server) lands its perturbation and none of SGLang's checks fires (the census switched off);
+    the suite's census, inside the same scheduler, sees the padding slot a request row names and
+    the SWA peer nobody owns."""
     _require_server_venv()
     from canaries.releases.patches import patched_interpreter
+    from canaries.server.census import CENSUS_ENV
 
     python, _ = patched_interpreter(find_python("0.5.23", server=True), "0.5.23", ("free-swa-contract-removed",),
                                     tmp_path / "patched")
     scenario = load_scenario(REPO / "configs" / "scenarios" / "corrupt-r2t-zero-page1.yaml")
-    record = run_scenario(scenario, tmp_path / "run", runtime="sglang-server", engine_python=str(python))
-    assert record.verdict == "MISSED", record.reason
-    assert record.to_dict()["landed"], "the perturbation landed on SGLang's table"
+    monkeypatch.setenv(CENSUS_ENV, "off")
+    blind = run_scenario(scenario, tmp_path / "sglang-only", runtime="sglang-server", engine_python=str(python))
+    assert blind.verdict == "MISSED", blind.reason
+    assert blind.to_dict()["landed"], "the perturbation landed on SGLang's table"
+    monkeypatch.delenv(CENSUS_ENV)
+    seen = run_scenario(scenario, tmp_path / "census", runtime="sglang-server", engine_python=str(python))
+    assert {"census.slot_owner", "census.peer_live"} <= {f["detector"] for f in seen.firings}, seen.reason
+    assert "swa.peer_mapped" not in {f["detector"] for f in seen.firings}
     assert _processes_under(tmp_path) == []
 
 

@@ -93,13 +93,12 @@ def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: 
     from canaries.driver import make_plan
     from canaries.runner import oracle_mismatches
 
-    if record.extra.get("runtime") == "sglang-server":
-        # SGLang's server has no census of ours (its own idle check is a detector, and fires as
-        # one): what is left to see is its answers, against a clean server's to the same plan.
-        if scenario.workload.temperature != 0:
-            return []
-        return _server_answers(scenario, record, run_dir, responses)
+    server = record.extra.get("runtime") == "sglang-server"
     idle = [e for e in events if e.get("kind") == "idle_check"]
+    if server and not idle:
+        # The census could not run there (the release's objects, or switched off): what is
+        # left to see is its answers, against a reference server's to the same plan.
+        return _server_answers(scenario, record, run_dir, responses) if scenario.workload.temperature == 0 else []
     if not idle:
         return ["no idle check"]
     last = idle[-1]
@@ -115,7 +114,10 @@ def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: 
                 if k.endswith("_held_twice") and v]
         out += [f"census:{name.removeprefix('census.')}" for name, v in
                 sorted((census.get("failures") or {}).items()) if v]
-    if scenario.workload.temperature == 0:
+    if server:  # the census's idle summary on SGLang's server too (canaries/server/census.py)
+        if scenario.workload.temperature == 0:
+            out += _server_answers(scenario, record, run_dir, responses)
+    elif scenario.workload.temperature == 0:
         start = next((e for e in events if e.get("kind") == "engine_start"), {})
         config = start.get("config") or dict(record.engine)
         plan = make_plan(scenario.workload, scenario.seed)
@@ -191,12 +193,16 @@ def judge_run(scenario: Any, record: Any, run_dir: str | Path) -> Judgement:
 
 
 def _server_answers(scenario: Any, record: Any, run_dir: Path, responses: list[dict]) -> list[str]:
-    """["answers"] if the run's answers differ from a clean SGLang server's (["no oracle"] if
-    none could be had), else []."""
+    """["answers"] if the run's answers differ from a reference SGLang server's (["no oracle"] if
+    none could be had), else []: what the run's own oracle found, if it judged (its verdict
+    records it), else computed now."""
     from canaries.driver import make_plan
     from canaries.runner import patience_for, server_answer_mismatches
     from canaries.runtime.sglang_server import SGLangServerRuntime
 
+    judged = record.extra.get("oracle") or {}
+    if judged.get("judged") and "differs" in judged:
+        return ["answers"] if judged["differs"] else []
     try:
         spec = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -424,7 +424,7 @@ class SGLangServerRuntime:
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
                  engine_root: str | os.PathLike | None = None, device: str = "cpu", start: str | None = None,
-                 **_: object) -> None:
+                 extra_env: dict[str, str] | None = None, **_: object) -> None:
         if engine_root is not None:
             raise ServerUnsupported("the sglang-server runtime runs SGLang's code: another engine_stub "
                                     "(a catalogue mutant, another commit) does not apply")
@@ -444,6 +444,8 @@ class SGLangServerRuntime:
         # `start_mode`.
         self.requested_start = start or os.environ.get("CANARY_ENGINE_START") or "auto"
         self.start_mode: str | None = None
+        # What every server of this runtime adds to its launch (a plain reference: no eviction).
+        self.extra_env = dict(extra_env or {})
 
     @property
     def running(self) -> bool:
@@ -463,7 +465,9 @@ class SGLangServerRuntime:
         self.server = SGLangServer(self.python, config, device=self._device_of(spec),
                                    ready_timeout=self.ready_timeout, start=self.requested_start)
         self.start_mode = self.server.start_mode
-        extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
+        extra = dict(self.extra_env)
+        if spec.get("perturbations"):
+            extra["CANARY_SERVER_SPEC"] = str(Path(spec_path).resolve())
         extra.update(knob_env(_perturbation_specs(spec)))  # SGLang's own knobs (`via: sglang_knob`)
         try:
             return self.server.start(run_dir, extra)
