@@ -42,6 +42,7 @@ benchmark's baseline).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -222,6 +223,10 @@ class ServerCensus:
         self._totals: dict[str, int] = {}
         self._last_idle_step: int | None = None
         self._last_ownership: tuple | None = None
+        # What the census cost this scheduler (seconds), reported with each idle pass.
+        self._batch_seconds = 0.0
+        self._batches = 0
+        self._batch_runs = 0
         self.strict_idle = os.environ.get(_STRICT_IDLE_ENV, "0") not in ("0", "", "false", "False")
         self.strict_steps = os.environ.get(_LEVEL_ENV, "0") == "2"
 
@@ -233,12 +238,18 @@ class ServerCensus:
         if step == self._last_idle_step:
             return
         self._last_idle_step = step
+        started = time.perf_counter()
         report = self._census.check()
         tree = self.memory.tree_cache
         problems = tree.sanity_problems() if tree is not None else []
         ledgers = self.memory.ledgers()
+        summary = report.summary()
+        cost = {"idle_ms": round((time.perf_counter() - started) * 1e3, 3),
+                "after_batch_ms": round(self._batch_seconds * 1e3, 3), "after_batch_runs": self._batch_runs,
+                "batches": self._batches}
         self._write({"kind": "idle_check", "step": step, "after_step": step, "ledgers": ledgers,
-                     "radix_problems": problems[:20], "census": report.summary(), "runtime": "sglang-server",
+                     "radix_problems": problems[:20], "census": summary, "runtime": "sglang-server",
+                     "census_cost": cost,
                      "balanced": all(v["delta"] == 0 for v in ledgers.values()) and not problems})
         level = "STRICT" if self.strict_idle else "WARN"
         found = ([(RADIX_SANITY, len(problems), "; ".join(problems[:3]), [])] if problems else [])
@@ -252,13 +263,16 @@ class ServerCensus:
         count-only (the detector of the damage's own site, or the idle check, decides first)."""
         if not self.strict_steps:
             return
+        started = time.perf_counter()
+        self._batches += 1
         ownership = self.memory.ownership()
-        if ownership == self._last_ownership:
-            return
-        self._last_ownership = ownership
-        step = self._step()
-        for name, count, msg, slots in _failures(self._census.check()):
-            self._fire(name, count, msg, slots, "WARN", step)
+        if ownership != self._last_ownership:
+            self._last_ownership = ownership
+            self._batch_runs += 1
+            step = self._step()
+            for name, count, msg, slots in _failures(self._census.check()):
+                self._fire(name, count, msg, slots, "WARN", step)
+        self._batch_seconds += time.perf_counter() - started
 
     def _fire(self, name: str, count: int, msg: str, slots: list[int], level: str, step: int) -> None:
         total = self._totals[name] = self._totals.get(name, 0) + count
