@@ -84,6 +84,8 @@ class Column:
     memory_parts: dict[str, str] = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     divergences: str = ""  # e.g. `sglang-0.5.20.yaml (inherited)`
+    # Whose clean answers judged the column's runs (its server's: canaries/server/oracle.py).
+    oracle: str = ""
 
     @property
     def source(self) -> str:
@@ -202,6 +204,7 @@ class MatrixResult:
                 ", ".join(k for k, v in c.memory_parts.items() if v.startswith("sglang")) or "?"
             lines.append(f"| {c.label} | {c.version} | {c.source} | {c.divergences or '-'} | {parts} "
                          f"| {c.seconds:.0f}s |")
+        lines += [f"- {c.label}'s answers judged by {c.oracle}" for c in self.columns if c.oracle]
         lines += ["", "| scenario | native | " + " | ".join(labels) + " |",
                   "|---|---|" + "---|" * len(labels)]
         for name, row in self.cells.items():
@@ -323,6 +326,10 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             if not same_version(version, spec.version):
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
+        # Whose answers judge each server column: never the code under test. The candidate's are
+        # held to the last release's clean server, any other column's to its own plain server.
+        references = {label: _reference(label, str(python), last, candidate, interpreters)
+                      for label, (python, _) in interpreters.items()} if server else {}
         # Each release's warm fork server imports torch and sglang (seconds; a server's parent,
         # SGLang's server modules too): start them all now, so that a column's imports overlap
         # the columns already running.
@@ -339,6 +346,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         def column(label: str) -> tuple[list, float]:
             python = None if label == "native" else str(interpreters[label][0])
             sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
+            if server and python is not None:
+                sglang_side["reference"] = references[label]
             t0 = time.monotonic()
             try:
                 records = run_many(scenarios, report_dir / "runs" / file_label(label), jobs=jobs, latch=latch,
@@ -364,9 +373,20 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         records, seconds = done[spec.label]
         python, diff = interpreters[spec.label]
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
-                              _memory_parts(records), provenance[spec.label]))
+                              _memory_parts(records), provenance[spec.label],
+                              oracle=references[spec.label].describe() if spec.label in references else ""))
     return _judge(columns, {label: records for label, (records, _) in done.items()}, native_seconds,
                   report_dir, wall_seconds, runtime, last, candidate)
+
+
+def _reference(label: str, python: str, last: str | None, candidate: str | None,
+               interpreters: dict[str, tuple[Path, str]]) -> Any:
+    """The `ServerReference` of a server column (see `run_matrix`)."""
+    from canaries.server.oracle import ServerReference
+
+    if label == candidate and last is not None and last != candidate:
+        return ServerReference(str(interpreters[last][0]), last, plain=False)
+    return ServerReference.of_release(python, label)
 
 
 def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
