@@ -170,13 +170,15 @@ class SchedulerMemory:
                 None if lock is None else _Lock(lock.node, bool(lock.swa_released))))
         return holders
 
-    def ownership(self) -> tuple:
-        """What changes when slots move between the requests, the tree and the free list (a
-        request admitted, finished, retracted or chunked, an insert, a lock moved); a decode only
-        grows the rows, which this leaves out."""
+    def ownership(self) -> tuple[frozenset[str], tuple[int, ...]]:
+        """(the requests holding a row, the tree's sizes): slots moved between the requests, the
+        tree and the free list when a holder is gone (finished, aborted, retracted) or the tree
+        changed (an insert at a finish or a chunk boundary, a lock taken by a cache hit or moved);
+        the moves our engine's mid-run census follows. An admission without a hit and a decode
+        only move slots between the free list and the rows."""
         tree = self.tree_cache
         sizes = () if tree is None else (tree.total_size(), tree.full_protected_size(), tree.swa_protected_size())
-        return tuple((h.rid, h.row, h.cache_protected_len, h.lock) for h in self.running) + sizes
+        return frozenset(h.rid for h in self.running), sizes
 
     def ledgers(self) -> dict:
         """SGLang's idle ledgers as numbers, in our engine's `idle_check` shape."""
@@ -222,7 +224,7 @@ class ServerCensus:
         self._step = step
         self._totals: dict[str, int] = {}
         self._last_idle_step: int | None = None
-        self._last_ownership: tuple | None = None
+        self._last_ownership: tuple[frozenset[str], tuple[int, ...]] | None = None
         # What the census cost this scheduler (seconds), reported with each idle pass.
         self._batch_seconds = 0.0
         self._batches = 0
@@ -265,9 +267,10 @@ class ServerCensus:
             return
         started = time.perf_counter()
         self._batches += 1
-        ownership = self.memory.ownership()
-        if ownership != self._last_ownership:
-            self._last_ownership = ownership
+        holders, sizes = self.memory.ownership()
+        before = self._last_ownership
+        self._last_ownership = (holders, sizes)
+        if before is not None and (before[0] - holders or before[1] != sizes):
             self._batch_runs += 1
             step = self._step()
             for name, count, msg, slots in _failures(self._census.check()):
