@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import threading
 from pathlib import Path
 
 __all__ = ["HOOK_POINTS", "READ_BY_EVERY_SITE", "missing_sites"]
@@ -29,12 +30,19 @@ HOOK_POINTS: dict[str, tuple[tuple[str, str], ...]] = {
 READ_BY_EVERY_SITE: tuple[tuple[str, str], ...] = (("srt/managers/schedule_batch.py", "ReqKvInfo"),)
 
 
+# CPython 3.11's AST constructor is not safe from two threads at once ("AST constructor recursion
+# depth mismatch"): a matrix's columns, and a scenario's reference server, start side by side.
+_PARSE_LOCK = threading.Lock()
+
+
 @functools.cache
 def _names(path: Path) -> frozenset[str]:
     """The qualified names of `path`'s top-level classes and functions and of the classes'
     methods (`Scheduler.run_batch`); empty where the file is absent or does not parse."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        source = path.read_text(encoding="utf-8")
+        with _PARSE_LOCK:
+            tree = ast.parse(source)
     except (OSError, SyntaxError, ValueError):
         return frozenset()
     defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
