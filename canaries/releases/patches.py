@@ -89,6 +89,30 @@ _CATALOGUE = (
                "scheduler as a request finishes, never by `memory: sglang`) frees its row one slot "
                "short: every finished request leaks its last KV slot",
     ),
+    # The state goes wrong and no answer changes: SGLang's idle check (a sum: a locked node counts
+    # as protected instead of evictable) balances, its canary reads only what a forward reads. The
+    # suite's census on the server sees each (canaries/server/census.py); docs/sglang-server.md
+    # says which scenario kills which, with and without the census.
+    SGLangPatch(
+        name="unlock-only-when-checkpointed",
+        file="srt/mem_cache/common.py",
+        old="    tree_cache.unlock(req.lock)\n    req.lock = None\n",
+        new="    if checkpoint:\n        tree_cache.unlock(req.lock)\n    req.lock = None\n",
+        models="release_kv_cache drops a request's tree lock only when it checkpoints the request into "
+               "the tree: a retracted or aborted request (`release_kv_cache(checkpoint=False)`) keeps the "
+               "lock its prefill's checkpoint took on its prompt, a lock that outlives its request",
+    ),
+    SGLangPatch(
+        name="relock-same-node-leaks",
+        file="srt/mem_cache/unified_radix_cache.py",
+        old="        self.unlock(req.lock)\n        # Opt-in: leave the matched-prefix mamba evictable",
+        new="        if req.lock is None or req.lock.node != new_last_node:\n"
+            "            self.unlock(req.lock)\n"
+            "        # Opt-in: leave the matched-prefix mamba evictable",
+        models="checkpoint_into_tree keeps the request's lock when its insert ends on the node that lock "
+               "holds, then locks that node again: the request releases one of the two at its finish and "
+               "the node stays locked for good (an insert that adds no page: a short answer on page 16)",
+    ),
 )
 
 
