@@ -163,12 +163,18 @@ class SchedulerMemory:
             if id(req) in seen or kv is None or not kv.holds_kv:
                 continue
             seen.add(id(req))
-            lock = getattr(req, "lock", None)
             holders.append(_Holder(
                 str(req.rid), int(kv.req_pool_idx), int(kv.kv_allocated_len), int(kv.cache_protected_len),
-                int(kv.get_evicted_seqlen(self._swa)),
-                None if lock is None else _Lock(lock.node, bool(lock.swa_released))))
+                int(kv.get_evicted_seqlen(self._swa)), self._lock(getattr(req, "lock", None))))
         return holders
+
+    def _lock(self, lock: Any) -> _Lock | None:
+        """A `TreeLock` as the census reads it: its SWA part is not held once released early, or
+        if the acquire skipped it (`skipped_lock_components` in its receipt)."""
+        if lock is None:
+            return None
+        skipped = getattr(lock.receipt, "skipped_lock_components", ()) or ()
+        return _Lock(lock.node, bool(lock.swa_released) or self._swa in skipped)
 
     def ownership(self) -> tuple[frozenset[str], tuple[int, ...]]:
         """(the requests holding a row, the tree's sizes): slots moved between the requests, the
