@@ -271,8 +271,9 @@ def server_clean_answers(spec: dict, plan: list[Planned], run_dir: Path, workloa
         clean_path.write_text(json.dumps(clean_spec, indent=2, default=str) + "\n", encoding="utf-8")
         clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S)
         try:
-            return drive_workload(clean.start(clean_path, clean_dir), workload, seed, patience, plan=plan,
-                                  progress=clean.progress, hang_up_by=clean.hang_up_by)
+            url = clean.start(clean_path, clean_dir)
+            return drive_workload(url, workload, seed, patience, plan=plan, progress=clean.progress,
+                                  hang_up_by=clean.hang_up_by, lockstep=clean.lockstep)
         finally:
             clean.stop()
 
@@ -421,7 +422,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         # A runtime that knows its engine's progress its own way (SGLang's server) says so.
         responses = drive_workload(base_url, workload, seed, patience or patience_for(workload, rt), plan=plan,
                                    progress=getattr(rt, "progress", None),
-                                   hang_up_by=getattr(rt, "hang_up_by", "gate"))
+                                   hang_up_by=getattr(rt, "hang_up_by", "gate"),
+                                   lockstep=getattr(rt, "lockstep", None))
         mark("drive")
         oracle.start(responses)  # computed while the engine idles and stops
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None

@@ -26,6 +26,7 @@ from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
 from canaries.server.knobs import knob_env, knob_refusals
 from canaries.server.launch import ServerLaunch, import_env, plugin_pythonpath
+from canaries.server.lockstep import GATE_ENV, GateNotes
 from canaries.server.model import ServerModel
 from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
@@ -40,6 +41,7 @@ FORK_PARENT = "canaries.server.fork_parent"
 # How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
 # it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
 IDLE_PASS_WAIT_S = 3.0
+GATE_FILE = "gate.jsonl"  # a run's lockstep gate file (the driver's plan and notes)
 READY_POLL_S = 0.05  # a warm server is ready in 1-2 s: a coarser poll is a large share of that
 
 
@@ -343,8 +345,8 @@ class ServerUnsupported(RuntimeError):
     names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
 
 
-# Engine knobs of a spec the server does not take: the harness's lockstep gate (SGLang's
-# scheduler admits as requests arrive), the device (the runtime's own), the memory backend.
+# Engine knobs of a spec the server does not take: our engine's lockstep gate (the server's is the
+# plugin's, fed by the driver's notes), the device (the runtime's own), the memory backend.
 _HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device", "memory")
 
 
@@ -419,7 +421,8 @@ class SGLangServerRuntime:
     # taken over a minute here.
     stall_s = 240.0
     poll_s = 0.25  # a dead scheduler is seen (and its launcher ended) within this
-    # No lockstep gate on SGLang's server: a planned hang-up streams and closes the connection.
+    # A planned hang-up streams and closes the connection (the lockstep gate in SGLang's scheduler
+    # waits for the disconnect's abort before the next pass).
     hang_up_by = "stream"
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
@@ -444,6 +447,7 @@ class SGLangServerRuntime:
         # `start_mode`.
         self.requested_start = start or os.environ.get("CANARY_ENGINE_START") or "auto"
         self.start_mode: str | None = None
+        self.lockstep: GateNotes | None = None  # the driver's notes to the server's gate, once started
 
     @property
     def running(self) -> bool:
@@ -465,6 +469,12 @@ class SGLangServerRuntime:
         self.start_mode = self.server.start_mode
         extra = {"CANARY_SERVER_SPEC": str(Path(spec_path).resolve())} if spec.get("perturbations") else {}
         extra.update(knob_env(_perturbation_specs(spec)))  # SGLang's own knobs (`via: sglang_knob`)
+        # The lockstep gate: the driver notes its plan in this file, the plugin in SGLang's
+        # scheduler lets requests in as it says (canaries/server/lockstep.py).
+        gate = Path(run_dir).resolve() / GATE_FILE
+        gate.write_bytes(b"")
+        extra[GATE_ENV] = str(gate)
+        self.lockstep = GateNotes(gate)
         try:
             return self.server.start(run_dir, extra)
         except ServerStartError:
