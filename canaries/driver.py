@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 
+from canaries.schedstat import CpuTime
 from canaries.watchdog import Patience, Watchdog
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ class _Abortable:
 def _hung(record: dict, watchdog: Watchdog) -> None:
     record["error"] = f"hung: {watchdog.reason}"
     record["hang"] = watchdog.reason
+    if watchdog.starved:  # the machine, not the engine: the harness's failure
+        record["starved"] = watchdog.starved
 
 
 def _exchange_failed(record: dict, exchange: _Abortable, watchdog: Watchdog, exc: BaseException) -> None:
@@ -348,7 +351,7 @@ class Lockstep(Protocol):
 def drive(base_url: str, workload: Workload, seed: int, patience: Patience | None = None,
           plan: Sequence[Planned] | None = None,
           progress: Callable[[], Hashable | None] | None = None, hang_up_by: str = "gate",
-          lockstep: Lockstep | None = None) -> list[dict]:
+          lockstep: Lockstep | None = None, cpu: Callable[[], CpuTime | None] | None = None) -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
 
     Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
@@ -361,6 +364,8 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     engine without it: the answer streamed, the connection closed once it holds enough tokens).
     `lockstep`: where the gate's notes go when the engine's gate is not our engine's HTTP one
     (SGLang's server); the plan is noted before anything is sent, each request once done.
+    `cpu`: the engine's CPU time (`canaries.schedstat.group_cpu`): a stall while the machine
+    starved it is recorded as such (`starved` in the cut records).
     """
     plan = list(plan) if plan is not None else make_plan(workload, seed)
     concurrency = max(1, workload.concurrency)
@@ -368,7 +373,7 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     patience = patience or Patience()
     deadline = time.monotonic() + patience.hard_cap_s
     url = base_url.rstrip("/")
-    watchdog = Watchdog(patience, progress or (lambda: engine_progress(url)))
+    watchdog = Watchdog(patience, progress or (lambda: engine_progress(url)), cpu=cpu)
     local = threading.local()
     sessions: list[requests.Session] = []
     lock = threading.Lock()

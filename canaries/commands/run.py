@@ -160,6 +160,10 @@ def _summary(records: list) -> None:
     passed = sum(1 for r in records if r.passed)
     print(f"\n{passed}/{len(records)} passed; " + ", ".join(f"{v}: {c}" for v, c in
                                                          sorted(counts.items())))
+    harness = [r.scenario for r in records if getattr(r, "cause", None) == "harness"]
+    if harness:
+        print(f"{len(harness)} not judged: the harness failed, not the engine (cause: harness, after "
+              f"retries): {', '.join(harness)}")
 
 
 def _planted(names: list[str]) -> Path | None:

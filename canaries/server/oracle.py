@@ -15,7 +15,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerOracle", "mismatches"]
+__all__ = ["CleanServerFailed", "ServerOracle", "mismatches"]
+
+
+class CleanServerFailed(RuntimeError):
+    """The clean server answered a planned request with an HTTP error: the release's own
+    behaviour (no reference answer), not a failure of the harness."""
 
 
 def mismatches(reference: dict[str, list[int]], responses: Sequence[dict]) -> list[dict]:
@@ -51,6 +56,12 @@ class ServerOracle:
         responses = compute()
         # A request planned to fail (a 400) or to be hung up on has no answer to hold others to.
         failed = [r for r in responses if r.get("output_ids") is None and r.get("expect_status", 200) == 200]
+        answered = [r for r in failed if r.get("status") is not None and not r.get("hang")]
+        if answered:
+            first = answered[0]
+            raise CleanServerFailed(f"the release's own clean server answered "
+                                    f"{', '.join(r['rid'] for r in answered[:5])} with HTTP {first['status']} "
+                                    f"({str(first.get('error') or '')[:300]})")
         if failed:
             raise RuntimeError(f"the clean server did not answer {', '.join(r['rid'] for r in failed[:5])} "
                                f"({failed[0].get('error') or failed[0].get('status')}): no oracle")
