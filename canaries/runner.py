@@ -97,10 +97,11 @@ def default_report_dir(run_id: str | None = None) -> Path:
 
 
 def cancel_all() -> None:
-    """Ctrl-C: start no new scenario, stop every engine still running."""
-    from canaries.runtime.safety import stop_all
+    """Ctrl-C: start no new scenario or engine, stop every engine still running."""
+    from canaries.runtime.safety import set_stopping, stop_all
 
     _CANCEL.set()
+    set_stopping(True)
     stop_all(timeout=3.0)
 
 
@@ -279,6 +280,8 @@ def server_clean_answers(spec: dict, plan: list[Planned], run_dir: Path, workloa
         clean_path = clean_dir / "spec.json"
         clean_path.write_text(json.dumps(clean_spec, indent=2, default=str) + "\n", encoding="utf-8")
         clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S)
+        if _CANCEL.is_set():
+            raise RuntimeError("the run was interrupted before the clean server started")
         try:
             url = clean.start(clean_path, clean_dir)
             return drive_workload(url, workload, seed, patience, plan=plan, progress=clean.progress,
@@ -525,7 +528,7 @@ def _interrupted(record: Any) -> Any:
     extra["interrupted"] = {"state": "running", "judged": f"{record.verdict}: {record.reason}"}
     rest = record.signature.split("|", 1)[1] if "|" in record.signature else ""
     return dataclasses.replace(record, verdict="INCONCLUSIVE", passed=False, reason=INTERRUPTED,
-                               signature=f"INCONCLUSIVE|{rest}", extra=extra)
+                               signature=f"INCONCLUSIVE|{rest}", extra=extra, cause=None)
 
 
 def _unjudged(scenario: Any, verdict: str, reason: str, state: str) -> Any:
@@ -608,7 +611,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     that signals stay latched beyond the run, until the caller lets go).
     """
     from canaries.report import Interruption, append_verdict
-    from canaries.runtime.safety import SignalLatch, stop_all
+    from canaries.runtime.safety import SignalLatch, set_stopping, stop_all
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -617,6 +620,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     durations: dict[str, float] = {}
     n = len(scenarios)
     _CANCEL.clear()
+    set_stopping(False)
 
     from canaries.progress import progress_for
 
@@ -685,6 +689,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         # Interrupted: start nothing more, stop every engine, let the running scenarios record
         # themselves (as interrupted), then write every report saying the run was interrupted.
         _CANCEL.set()
+        set_stopping(True)  # an engine (an oracle's clean server) whose start is under way stops too
         pool.shutdown(wait=False, cancel_futures=True)
         if progress:
             print(f"canary: {_cause(latch.signum, error)}: stopping every engine, then writing "

@@ -141,6 +141,7 @@ class SGLangServer:
         self.extra_env: dict[str, str] = {}  # what `start` added (SGLang's knobs among them)
         self._events_read = 0  # how far `crashed` has read the event log
         self._crash_seen = False
+        self._stopped = False  # its group was stopped and is gone
 
     def start(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None = None) -> str:
         """Launch the server and return its base URL once /ready answers 200.
@@ -157,8 +158,8 @@ class SGLangServer:
                 # a loaded machine (`_freeze_gc_after_server_warmup`'s 10-second POST, then exit
                 # 3) with its scheduler alive: a new start, not a failed run. A scheduler that
                 # died by a check of its own is the engine's verdict and is not retried.
-                retry = "address already in use" in str(exc) or (
-                    "exited with" in str(exc) and not self.crashed())
+                retry = not safety.stopping() and ("address already in use" in str(exc) or (
+                    "exited with" in str(exc) and not self.crashed()))
                 if attempt == PORT_ATTEMPTS or not retry:
                     raise
                 self.stop()
@@ -176,6 +177,7 @@ class SGLangServer:
     def _start_once(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None) -> str:
         if self.proc is not None:
             raise RuntimeError("this server was already started")
+        self._stopped = False
         run_dir = Path(run_dir).resolve()
         model_dir = ServerModel.of(self.config).write(run_dir / "model")
         self.launch = ServerLaunch(self.config, model_dir, _free_port(), self.device)
@@ -227,8 +229,11 @@ class SGLangServer:
             proc = self.proc
             if proc is None:
                 return None
+            if self._stopped:  # its group is gone, and its pid may be another's by now
+                return self._exit_code
             try:
-                self.stopped_at_idle = (proc.poll() is None and not self.crashed()
+                # A run being stopped (Ctrl-C) judges nothing: no wait for the idle checks.
+                self.stopped_at_idle = (proc.poll() is None and not self.crashed() and not safety.stopping()
                                         and self._idle_pass_after(IDLE_PASS_WAIT_S))
                 # A dead scheduler (the launcher's SIGQUIT handler then sleeps 5 s before its
                 # diagnostics), or one whose idle checks ran after the workload, goes by SIGKILL
@@ -249,6 +254,7 @@ class SGLangServer:
                     proc.wait(5)
                 _wait_group_gone(proc.pid, 10.0)
                 self._exit_code = 0 if self.stopped_at_idle else proc.returncode
+                self._stopped = True
             finally:
                 if self._log_file is not None:
                     with contextlib.suppress(OSError):

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from canaries.runtime import safety
 from engine_stub.forkproto import SERVER_READY_LINE, ForkProtocolError, LineReader, parse_message
 
 __all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server", "has_cuda_device",
@@ -186,7 +187,7 @@ class ForkServer:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, cwd=self._dir,  # see LocalRuntime.start: no shadowing
             )
-        line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S).strip()
+        line = self._ready_line()
         if line != SERVER_READY_LINE:
             self.close(keep_log=True)
             if line.startswith("engine_stub forkserver ready"):
@@ -195,6 +196,20 @@ class ForkServer:
                                          f"{SERVER_READY_LINE!r})")
             raise RuntimeError(f"the engine fork server did not start (got {line!r}); "
                                f"its log: {self.log_path}")
+
+    def _ready_line(self) -> str:
+        """The server's first line (its imports take seconds); given up at once when the run is
+        stopping (Ctrl-C): then the half-started server is closed and `safety.Stopping` raised."""
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if safety.stopping():  # it holds no engine yet: killed, not waited for
+                self.proc.kill()
+                self.close()
+                raise safety.Stopping("the run is stopping: a fork server being started was killed")
+            readable, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if readable:
+                return self.proc.stdout.readline().decode("utf-8", "replace").strip()
+        return ""
 
     @property
     def alive(self) -> bool:
@@ -290,11 +305,6 @@ def engine_pythonpath(engine_root: str | os.PathLike | None, existing: str | Non
     return os.pathsep.join(dict.fromkeys(p for p in parts if p))
 
 
-def _readline(stream, timeout: float) -> str:
-    readable, _, _ = select.select([stream], [], [], timeout)
-    return stream.readline().decode("utf-8", "replace") if readable else ""
-
-
 _ServerKey = tuple[str, "str | None", tuple[str, ...], str, tuple[tuple[str, str], ...]]
 _SERVERS: dict[_ServerKey, ForkServer] = {}
 _RETIRED: set[ForkServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
@@ -321,6 +331,8 @@ def fork_server(python: str | None = None, engine_root: str | os.PathLike | None
             server.close()
             server = None
         if server is None:
+            if safety.stopping():  # a Ctrl-C: no new fork server (seconds of imports) for nothing
+                raise safety.Stopping("the run is stopping: no fork server is started")
             server = _SERVERS[key] = ForkServer(*key)
         return server
 
