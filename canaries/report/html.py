@@ -854,6 +854,10 @@ def diff_html(diff: DiffResult, anchors: dict[str, str] | None = None) -> str:
                    for c in changes)
         out.append("</ul>")
 
+    simple(f"FLAKY: passed in the base run, failed here, then disagreed with itself when run again "
+           f"({'fails' if diff.flaky_fails else 'does not fail'} the gate)", "diff-flaky", diff.flaky,
+           lambda c: _e(diff.confirmations[c.scenario].describe("base", "this run"))
+           if c.scenario in diff.confirmations else _badge(c.run_verdict, False))
     simple("Fixed", "diff-fixed", diff.fixed, lambda c: f"{_badge(c.base_verdict, False)} &rarr; "
            f"{_badge(c.run_verdict, True)}")
     simple("Changed verdict (same pass state)", "diff-changed-verdict", diff.changed_verdict,
