@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "configs" / "scenarios"
 RUNTIMES = {"native": ["--runtime", "local"], "sglang": ["--runtime", "local", "--memory", "sglang"],
             "server": ["--runtime", "sglang-server"]}
+MEMORY_VENV = ROOT / ".venv-sglang" / "bin" / "python"  # SGLang's memory path (make-sglang-venv.sh)
 
 
 def _load() -> str:
@@ -47,14 +48,21 @@ def _busy_loops(count: int) -> Iterator[None]:
             loop.wait()
 
 
-def _round(files: list[Path], runtime: str, jobs: int, report: Path, k: str | None) -> tuple[float, dict[str, dict]]:
+class RoundFailed(RuntimeError):
+    """`canary run` itself failed (not a scenario): the message has its command and stderr."""
+
+
+def _round(files: list[Path], runtime: str, jobs: int, report: Path, k: str | None,
+           memory_python: Path) -> tuple[float, dict[str, dict]]:
     cmd = [sys.executable, "-m", "canaries.cli", "run", *map(str, files), *RUNTIMES[runtime],
            "--jobs", str(jobs), "--report-dir", str(report)] + (["-k", k] if k else [])
+    if runtime == "sglang":
+        cmd += ["--engine-python", str(memory_python)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise RoundFailed(f"canary run --runtime {runtime} failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
     rows = [json.loads(line) for line in (report / "verdicts.jsonl").read_text().splitlines() if line.strip()]
     return wall, {r["scenario"]: r for r in rows if "scenario" in r}
 
@@ -72,6 +80,8 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=0, help="busy loops beside the runs (a loaded machine)")
     parser.add_argument("-k", metavar="EXPR", help="select scenarios by name, as `canary run -k`")
     parser.add_argument("--keep", metavar="DIR", help="keep every round's report under DIR")
+    parser.add_argument("--memory-python", type=Path, default=MEMORY_VENV,
+                        help=f"the interpreter of the `sglang` runtime's venv (default {MEMORY_VENV})")
     parser.add_argument("paths", nargs="*", help="scenario files (default: the library)")
     args = parser.parse_args()
     runtimes = [r.strip() for r in args.runtime.split(",") if r.strip()]
@@ -83,17 +93,25 @@ def main() -> int:
     files = [Path(p).resolve() for p in args.paths] or sorted(LIBRARY.glob("*.yaml"))
     print(f"{len(files)} scenario file(s), {args.rounds} rounds, --jobs {args.jobs}, {args.busy} busy loop(s), "
           f"{os.cpu_count()} cores; load {_load()}", flush=True)
-    summary = []
+    summary: list[tuple[str, int, dict[str, list[str]]]] = []
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="stability-") as tmp, _busy_loops(args.busy):
         base = Path(args.keep) if args.keep else Path(tmp)
         for runtime in runtimes:
             rounds: list[dict[str, dict]] = []
             for n in range(args.rounds):
-                wall, rows = _round(files, runtime, args.jobs, base / f"{runtime}-{n}", args.k)
+                try:
+                    wall, rows = _round(files, runtime, args.jobs, base / f"{runtime}-{n}", args.k, args.memory_python)
+                except RoundFailed as exc:  # the other runtimes still run and report
+                    print(f"{runtime:7} round {n + 1}: {exc}", flush=True)
+                    failed.append(runtime)
+                    break
                 rounds.append(rows)
                 harness = sum((r.get("extra") or {}).get("cause") == "harness" for r in rows.values())
                 print(f"{runtime:7} round {n + 1}: {len(rows)} scenarios in {wall:6.1f} s, {harness} harness "
                       f"failure(s); load {_load()}", flush=True)
+            if runtime in failed:
+                continue
             names = sorted(set().union(*rounds))
             unstable = {name: [_shown(r[name]) if name in r else "-" for r in rounds] for name in names}
             unstable = {name: shown for name, shown in unstable.items() if len(set(shown)) > 1}
@@ -110,7 +128,9 @@ def main() -> int:
             print("|---|" + "---|" * args.rounds)
             for name, shown in unstable.items():
                 print(f"| {name} | " + " | ".join(shown) + " |")
-    return 1 if any(unstable for _, _, unstable in summary) else 0
+    if failed:
+        print(f"\nnot measured (canary run failed): {', '.join(failed)}")
+    return 1 if failed or any(unstable for _, _, unstable in summary) else 0
 
 
 if __name__ == "__main__":
