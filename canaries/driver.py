@@ -23,16 +23,17 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 
+from canaries.schedstat import CpuTime
 from canaries.watchdog import Patience, Watchdog
 
 if TYPE_CHECKING:
     from canaries.scenario import Workload
 
-__all__ = ["FollowUp", "Planned", "drive", "engine_progress", "make_plan", "prompt_range", "rid_of"]
+__all__ = ["FollowUp", "Lockstep", "Planned", "drive", "engine_progress", "make_plan", "prompt_range", "rid_of"]
 
 TOKEN_LO, TOKEN_HI = 32, 126  # printable ASCII, inclusive
 CLIENT_GONE_STATUS = 499  # what a client that hung up records (the engine's own code for it)
@@ -175,6 +176,8 @@ class _Abortable:
 def _hung(record: dict, watchdog: Watchdog) -> None:
     record["error"] = f"hung: {watchdog.reason}"
     record["hang"] = watchdog.reason
+    if watchdog.starved:  # the machine, not the engine: the harness's failure
+        record["starved"] = watchdog.starved
 
 
 def _exchange_failed(record: dict, exchange: _Abortable, watchdog: Watchdog, exc: BaseException) -> None:
@@ -186,7 +189,8 @@ def _exchange_failed(record: dict, exchange: _Abortable, watchdog: Watchdog, exc
 
 
 def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | None,
-          temperature: float, watchdog: Watchdog, deadline: float, hang_up_by: str = "gate") -> dict:
+          temperature: float, watchdog: Watchdog, deadline: float, hang_up_by: str = "gate",
+          lockstep: Lockstep | None = None) -> dict:
     start = time.monotonic()
     rid, max_new_tokens = planned.rid, planned.max_new_tokens
     record: dict[str, Any] = {"rid": rid, "status": None, "output_ids": None, "error": None,
@@ -197,8 +201,11 @@ def _send(session_factory, base_url: str, planned: Planned, prompt: list[int] | 
     if prompt is None:
         assert planned.follow_up is not None
         record["error"] = f"not sent: {rid_of(planned.follow_up.of)} has no answer to follow"
-        with contextlib.suppress(requests.RequestException):  # else the gate waits for it
-            session_factory().post(f"{base_url}/gate/skip", json={"rid": rid}, timeout=5.0)
+        if lockstep is not None:  # else the gate waits for it
+            lockstep.skip(rid)
+        else:
+            with contextlib.suppress(requests.RequestException):
+                session_factory().post(f"{base_url}/gate/skip", json={"rid": rid}, timeout=5.0)
         return record
     remaining = deadline - start
     if watchdog.fired or remaining <= 0:
@@ -331,9 +338,20 @@ def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) ->
         pass  # the engine is gone: the follow-up's own request records that
 
 
+class Lockstep(Protocol):
+    """The driver's notes to an engine's lockstep gate kept outside HTTP (SGLang's server:
+    `canaries.server.lockstep.GateNotes`): the plan first, then what only the driver knows."""
+
+    def planned(self, plan: Sequence[Planned], concurrency: int) -> None: ...
+    def hold(self, rid: str, waits_for: str) -> None: ...
+    def skip(self, rid: str) -> None: ...
+    def done(self, rid: str) -> None: ...
+
+
 def drive(base_url: str, workload: Workload, seed: int, patience: Patience | None = None,
           plan: Sequence[Planned] | None = None,
-          progress: Callable[[], Hashable | None] | None = None, hang_up_by: str = "gate") -> list[dict]:
+          progress: Callable[[], Hashable | None] | None = None, hang_up_by: str = "gate",
+          lockstep: Lockstep | None = None, cpu: Callable[[], CpuTime | None] | None = None) -> list[dict]:
     """Send the workload (its plan, unless given); one record per request, in rid order.
 
     Records: {rid, status, output_ids, error, latency_s, prompt, prompt_len, max_new_tokens,
@@ -344,6 +362,10 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     `hang`, the watchdog's reason (and `error` "hung: REASON"); what was not sent yet is not.
     `hang_up_by`: "gate" (our engine's lockstep gate leaves at an exact token) or "stream" (an
     engine without it: the answer streamed, the connection closed once it holds enough tokens).
+    `lockstep`: where the gate's notes go when the engine's gate is not our engine's HTTP one
+    (SGLang's server); the plan is noted before anything is sent, each request once done.
+    `cpu`: the engine's CPU time (`canaries.schedstat.group_cpu`): a stall while the machine
+    starved it is recorded as such (`starved` in the cut records).
     """
     plan = list(plan) if plan is not None else make_plan(workload, seed)
     concurrency = max(1, workload.concurrency)
@@ -351,7 +373,7 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
     patience = patience or Patience()
     deadline = time.monotonic() + patience.hard_cap_s
     url = base_url.rstrip("/")
-    watchdog = Watchdog(patience, progress or (lambda: engine_progress(url)))
+    watchdog = Watchdog(patience, progress or (lambda: engine_progress(url)), cpu=cpu)
     local = threading.local()
     sessions: list[requests.Session] = []
     lock = threading.Lock()
@@ -371,14 +393,23 @@ def drive(base_url: str, workload: Workload, seed: int, patience: Patience | Non
             # An earlier request: FIFO workers have taken it already, so this wait cannot deadlock.
             earlier_future = futures[planned.follow_up.of]
             if not earlier_future.done():
-                _hold(session(), url, planned.rid, rid_of(planned.follow_up.of))
+                if lockstep is not None:
+                    lockstep.hold(planned.rid, rid_of(planned.follow_up.of))
+                else:
+                    _hold(session(), url, planned.rid, rid_of(planned.follow_up.of))
             try:
                 earlier = earlier_future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 earlier = {}
             prompt = planned.follow_up.prompt(earlier)
-        return _send(session, url, planned, prompt, temperature, watchdog, deadline, hang_up_by)
+        try:
+            return _send(session, url, planned, prompt, temperature, watchdog, deadline, hang_up_by, lockstep)
+        finally:
+            if lockstep is not None:
+                lockstep.done(planned.rid)
 
+    if lockstep is not None:
+        lockstep.planned(plan, concurrency)
     try:
         with watchdog, ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="canary-driver") as pool:
             for planned in plan:

@@ -23,10 +23,12 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from canaries.confirm import DEFAULT_RERUNS, Confirmation, confirm, confirmation_from_dict
 from canaries.divergences import known_divergences
 from canaries.parity import (
     PARITY_DIR,
@@ -35,7 +37,6 @@ from canaries.parity import (
     detectors_of,
     engine_sglang_version,
     lost_sglang_hits,
-    recorded_verdicts,
     refused_reason,
     unsupported_reason,
 )
@@ -61,12 +62,8 @@ class Cell:
     verdict: str
     detectors: tuple[str, ...]
     passed: bool
-    status: str  # native | same | known | unexplained
+    status: str  # native | same | known | unexplained | unsupported | harness
     reason: str = ""
-    # The release's known divergence for this scenario lists the native verdict among the ones the
-    # run's timing decides between: one run passing and another failing with the recorded verdict
-    # says nothing about the release (the gate leaves it unjudged).
-    timing: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,39 +113,53 @@ def describe_provenance(prov: dict) -> str:
 
 @dataclass(frozen=True)
 class GateResult:
-    """The pre-release verdict: `regressions` passed on `last` and fail on `candidate`."""
+    """The pre-release verdict: `regressions` passed on `last` and fail on `candidate`, and held
+    on every rerun (`confirmations`); `flaky` ones disagreed with themselves on a rerun (they fail
+    the gate only under the `fail` policy, `flaky_fails`)."""
 
     last: str
     candidate: str
     regressions: tuple[str, ...]
     fixed: tuple[str, ...]
     unjudged: tuple[str, ...] = ()  # one of the two releases cannot run it here
-    timing: tuple[str, ...] = ()  # passed on one, failed on the other, recorded as timing-dependent
+    flaky: tuple[str, ...] = ()  # passed on last, failed on candidate, and then not every time
+    harness: tuple[str, ...] = ()  # the harness failed one of the two cells: no verdict on the release
+    flaky_fails: bool = False
+    confirmations: dict[str, Confirmation] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.regressions
+        return not self.regressions and not (self.flaky_fails and self.flaky)
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "confirmations"},
+                "confirmations": {name: c.to_dict() for name, c in self.confirmations.items()},
+                "ok": self.ok}
 
 
-def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]]) -> GateResult:
-    """Compare two columns of `cells` (scenario -> column -> Cell)."""
-    regressions, fixed, unjudged, timing = [], [], [], []
+def gate(last: str, candidate: str, cells: dict[str, dict[str, Cell]],
+         confirmations: dict[str, Confirmation] | None = None, flaky: str = "warn") -> GateResult:
+    """Compare two columns of `cells` (scenario -> column -> Cell). A scenario that passed on `last`
+    and fails on `candidate` is a regression unless its `confirmations` (canaries/confirm.py) show
+    a column disagreeing with itself: then it is flaky, failing the gate only when `flaky` is
+    "fail"."""
+    regressions, fixed, unjudged, flaky_cells, harness = [], [], [], [], []
+    confirmations = confirmations or {}
     for name, row in cells.items():
         before, after = row.get(last), row.get(candidate)
         if before is None or after is None:
             continue
         if "unsupported" in (before.status, after.status):
             unjudged.append(name)
-            continue
-        failing = after if before.passed else before
-        if before.passed != after.passed and failing.timing and failing.status == "known":
-            # The failure is the recorded one of a timing-dependent divergence, not a new verdict.
-            timing.append(name)
+        elif "harness" in (before.status, after.status):
+            harness.append(name)
         elif before.passed and not after.passed:
-            regressions.append(name)
+            (flaky_cells if name in confirmations and confirmations[name].flaky else regressions).append(name)
         elif after.passed and not before.passed:
             fixed.append(name)
-    return GateResult(last, candidate, tuple(regressions), tuple(fixed), tuple(unjudged), tuple(timing))
+    return GateResult(last, candidate, tuple(regressions), tuple(fixed), tuple(unjudged), tuple(flaky_cells),
+                      tuple(harness), flaky == "fail",
+                      {name: c for name, c in confirmations.items() if name in regressions + flaky_cells})
 
 
 @dataclass
@@ -187,7 +198,7 @@ class MatrixResult:
                           for name, row in self.cells.items()},
             "unexplained": [{"scenario": s, "release": r} for s, r in self.unexplained],
             "native_failures": self.native_failures,
-            "gate": asdict(self.gate) | {"ok": self.gate.ok} if self.gate else None,
+            "gate": self.gate.to_dict() if self.gate else None,
             "ok": self.ok,
         }
 
@@ -211,17 +222,18 @@ class MatrixResult:
             shown = [_cell_md(row[label]) if label in row else "-" for label in labels]
             lines.append(f"| {name} | {row['native'].verdict} | " + " | ".join(shown) + " |")
         lines += ["", f"`=` same as native, `k` a known divergence (configs/parity/{'server/' if server else ''}), "
-                  "`!` unexplained, "
+                  "`!` unexplained, `h` the harness failed it (cause: harness: no verdict on the release), "
                   "`n/a` the release cannot run it on this device (reason below); a struck verdict did "
                   "not pass the scenario's expectation.", ""]
         for c in self.columns:
             counts = {s: sum(row[c.label].status == s for row in self.cells.values() if c.label in row)
-                      for s in ("same", "known", "unexplained", "unsupported")}
+                      for s in ("same", "known", "unexplained", "unsupported", "harness")}
             reasons = sorted({row[c.label].reason for row in self.cells.values()
                               if c.label in row and row[c.label].status == "unsupported"})
             lines.append(f"- {c.label}: {counts['same']} same, {counts['known']} known, "
                          f"{counts['unexplained']} unexplained, {counts['unsupported']} unsupported here"
-                         + (f" ({'; '.join(reasons)})" if reasons else ""))
+                         + (f" ({'; '.join(reasons)})" if reasons else "")
+                         + (f", {counts['harness']} not judged (the harness failed)" if counts["harness"] else ""))
         for name, label in self.unexplained:
             cell = self.cells[name][label]
             lines.append(f"- UNEXPLAINED {name} on {label}: native {self.cells[name]['native'].verdict} "
@@ -230,20 +242,27 @@ class MatrixResult:
         if self.gate is not None:
             g = self.gate
             lines += ["", f"## Gate: {g.last} -> {g.candidate}: {'PASS' if g.ok else 'FAIL'}"]
+            def confirmed(name: str) -> str:
+                c = g.confirmations.get(name)
+                return f"; {c.describe(g.last, g.candidate)}" if c is not None else ""
+
             lines += [f"- REGRESSION {name}: passed on {g.last}, fails on {g.candidate} "
-                      f"({self.cells[name][g.candidate].verdict})" for name in g.regressions]
+                      f"({self.cells[name][g.candidate].verdict}{confirmed(name)})" for name in g.regressions]
+            lines += [f"- FLAKY {name}: passed on {g.last}, failed on {g.candidate}, then disagreed with "
+                      f"itself{confirmed(name)} ({'fails' if g.flaky_fails else 'does not fail'} the gate: "
+                      f"--flaky {'fail' if g.flaky_fails else 'warn'})" for name in g.flaky]
             lines += [f"- fixed {name}: fails on {g.last}, passes on {g.candidate}" for name in g.fixed]
             if g.unjudged:
                 lines.append(f"- not judged ({len(g.unjudged)}): one of the two releases cannot run it on "
                              f"this device: {', '.join(g.unjudged)}")
-            if g.timing:
-                lines.append(f"- not judged ({len(g.timing)}): passes on one and fails on the other, and its "
-                             f"divergence is recorded as timing-dependent: {', '.join(g.timing)}")
+            if g.harness:
+                lines.append(f"- not judged ({len(g.harness)}): the harness failed a cell (cause: harness, "
+                             f"after retries; no verdict on the release): {', '.join(g.harness)}")
         return "\n".join(lines) + "\n"
 
 
 def _cell_md(cell: Cell) -> str:
-    mark = {"same": "=", "known": "k", "unexplained": "!", "unsupported": ""}.get(cell.status, "")
+    mark = {"same": "=", "known": "k", "unexplained": "!", "unsupported": "", "harness": "h"}.get(cell.status, "")
     if cell.status == "unsupported":
         return "n/a"
     verdict = cell.verdict if cell.passed else f"~~{cell.verdict}~~"
@@ -258,9 +277,7 @@ def _cells(native: Sequence[Any], column: Sequence[Any], expected: dict, run_dir
     out = {}
     for row in compare(native, column, expected, lost, unsupported, comparable):
         verdict = "UNSUPPORTED" if row.status == "unsupported" else row.sglang
-        recorded = recorded_verdicts(expected[row.scenario]) if row.scenario in expected else ()
-        timing = len(recorded) > 1 and row.native in recorded
-        out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason, timing)
+        out[row.scenario] = Cell(verdict, row.sglang_detectors, passed[row.scenario], row.status, row.reason)
     return out
 
 
@@ -278,19 +295,25 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
                jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None, runtime: str = "local",
-               log: Callable[[str], None] = print) -> MatrixResult:
+               log: Callable[[str], None] = print, reruns: int = DEFAULT_RERUNS,
+               flaky: str = "warn") -> MatrixResult:
     """Run the matrix into `report_dir`; see the module docstring.
 
     `columns_at_once` columns run side by side, each with `jobs` scenarios at once (one warm
     fork server per release); one display shows them all, each line naming its column.
     `runtime`: `local` (each release's memory path under our engine) or `sglang-server` (each
     release's own server; a patched column's server runs the patched copy).
+    The gate confirms before it fails: a scenario that passed on `last` and fails on `candidate`
+    runs `reruns` more times on both (`runs/<column>/rerun-N/`); one that disagrees with itself is
+    flaky, failing the gate only when `flaky` is "fail" (canaries/confirm.py).
+    A SIGINT or SIGTERM stops every column at once; the matrix of what ran is written (its
+    unfinished cells NOT_RUN or interrupted) and RunInterrupted is raised.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     from canaries.progress import Prefixed, progress_for
     from canaries.report.atomic import write_atomic
-    from canaries.runner import run_many
+    from canaries.runner import RunInterrupted, run_many
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
     from canaries.runtime.sglang_server import prestart_parent
@@ -343,21 +366,30 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
         shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
 
-        def column(label: str) -> tuple[list, float]:
+        def column(label: str, selection: Sequence[Any] = scenarios, into: str = "") -> tuple[list, float]:
             python = None if label == "native" else str(interpreters[label][0])
             sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
             if server and python is not None:
                 sglang_side["reference"] = references[label]
             t0 = time.monotonic()
             try:
-                records = run_many(scenarios, report_dir / "runs" / file_label(label), jobs=jobs, latch=latch,
-                                   progress=Prefixed(f"[{label}]", shown) if shown else False,
+                records = run_many(selection, report_dir / "runs" / file_label(label) / into, jobs=jobs,
+                                   latch=latch, progress=Prefixed(f"[{label}{into and ' ' + into}]", shown)
+                                   if shown else False,
                                    **({} if python is None else {**sglang_side, "engine_python": python}))
             finally:
                 if python is not None:
                     close_fork_server(python)
             return records, time.monotonic() - t0
 
+        def rerun(label: str) -> Callable[[Sequence[str], int], dict[str, Any]]:
+            def again(names: Sequence[str], attempt: int) -> dict[str, Any]:
+                chosen = [sc for sc in scenarios if sc.name in names]
+                return {r.scenario: r for r in column(label, chosen, f"rerun-{attempt}")[0]}
+
+            return again
+
+        confirmations: dict[str, Confirmation] = {}
         with SignalLatch() as latch, (shown or contextlib.nullcontext()), \
                 ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
             # Newest releases first: older ones refuse more configurations here and finish sooner,
@@ -365,9 +397,54 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
             order = ["native", *(spec.label for spec in newest)]
             runs = {label: pool.submit(column, label) for label in order}
-            done = {label: future.result() for label, future in runs.items()}
+            done, interrupted = _collect(runs, latch)
+            if interrupted is None and last and candidate and reruns > 0:
+                first = {label: {r.scenario: r for r in done[label][0]} for label in (last, candidate)}
+                suspects = gate(last, candidate, _cells_of(_columns(releases, done, interpreters, provenance, references),
+                                                           done, report_dir, runtime)).regressions
+                if suspects:
+                    log(f"matrix: confirming {len(suspects)} suspect(s) with {reruns} rerun(s) on {last} and "
+                        f"{candidate}: {', '.join(suspects)}")
+                try:
+                    confirmations = confirm(suspects, first[last], first[candidate], reruns,
+                                            rerun_after=rerun(candidate), rerun_before=rerun(last))
+                except RunInterrupted as exc:
+                    interrupted = exc
         wall_seconds = time.monotonic() - started
-    native, native_seconds = done["native"]
+    columns = _columns(releases, done, interpreters, provenance, references)
+    result = _judge(columns, {label: records for label, (records, _) in done.items()}, done["native"][1],
+                    report_dir, wall_seconds, runtime, last, candidate, confirmations, flaky)
+    if interrupted is not None:
+        raise RunInterrupted(interrupted.signum, [], interrupted.interruption) from interrupted
+    return result
+
+
+def _collect(runs: dict[str, Future], latch: Any) -> tuple[dict[str, tuple[list, float]], Any]:
+    """Each column's (records, seconds) as the columns finish, the main thread polling so that a
+    signal is seen at once (a wait on one future would hold it off until that column ends): on
+    one, every column stops (`cancel_all`) and keeps what it ran. The RunInterrupted of the first
+    column that stopped, or None."""
+    from canaries.runner import POLL_S, RunInterrupted, cancel_all
+
+    pending, cancelled = set(runs.values()), False
+    while pending:
+        _, pending = wait(pending, timeout=POLL_S)
+        if latch.tripped and not cancelled:
+            cancel_all()
+            cancelled = True
+    done, interrupted = {}, None
+    for label, future in runs.items():
+        try:
+            done[label] = future.result()
+        except RunInterrupted as exc:
+            done[label] = (exc.records, 0.0)
+            interrupted = interrupted or exc
+    return done, interrupted
+
+
+def _columns(releases: Sequence[ReleaseSpec], done: dict[str, tuple[list, float]],
+             interpreters: dict[str, tuple[Path, str]], provenance: dict[str, dict],
+             references: dict[str, Any]) -> list[Column]:
     columns = []
     for spec in releases:
         records, seconds = done[spec.label]
@@ -375,8 +452,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
                               _memory_parts(records), provenance[spec.label],
                               oracle=references[spec.label].describe() if spec.label in references else ""))
-    return _judge(columns, {label: records for label, (records, _) in done.items()}, native_seconds,
-                  report_dir, wall_seconds, runtime, last, candidate)
+    return columns
 
 
 def _reference(label: str, python: str, last: str | None, candidate: str | None,
@@ -389,28 +465,40 @@ def _reference(label: str, python: str, last: str | None, candidate: str | None,
     return ServerReference.of_release(python, label)
 
 
-def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
-           wall_seconds: float, runtime: str, last: str | None, candidate: str | None) -> MatrixResult:
-    """Every column's cells against the native run and its release's known divergences, the gate,
-    and the three reports written into `report_dir`."""
-    from canaries.report.atomic import write_atomic
-    from canaries.report.matrix_html import matrix_html
+def _cells_of(columns: list[Column], done: dict[str, Any], report_dir: Path,
+              runtime: str) -> dict[str, dict[str, Cell]]:
+    """Every column's cells against the native run and its release's known divergences
+    (`done`: label -> records, or (records, seconds))."""
     from canaries.server.log_events import SERVER_DETECTORS
 
     server = runtime == "sglang-server"
-    native = done["native"]
+    records = {label: value[0] if isinstance(value, tuple) else value for label, value in done.items()}
+    native = records["native"]
     cells: dict[str, dict[str, Cell]] = {
         r.scenario: {"native": Cell(r.verdict, detectors_of(r), r.passed, "native")} for r in native}
-    judged = []
     for column in columns:
         # A patched or diffed column is held to its base's divergences: the change is what is judged.
         known = known_divergences(column.version, SERVER_PARITY_DIR if server else PARITY_DIR)
-        judged.append(replace(column, divergences=known.describe()))
-        for name, cell in _cells(native, done[column.label], known.entries,
+        for name, cell in _cells(native, records[column.label], known.entries,
                                  report_dir / "runs" / file_label(column.label),
                                  SERVER_DETECTORS if server else None).items():
-            cells[name][column.label] = cell
-    verdict = gate(last, candidate, cells) if last and candidate else None
+            cells.setdefault(name, {})[column.label] = cell
+    return cells
+
+
+def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
+           wall_seconds: float, runtime: str, last: str | None, candidate: str | None,
+           confirmations: dict[str, Confirmation] | None = None, flaky: str = "warn") -> MatrixResult:
+    """Every column's cells against the native run and its release's known divergences, the gate
+    (with the reruns' `confirmations`), and the three reports written into `report_dir`."""
+    from canaries.report.atomic import write_atomic
+    from canaries.report.matrix_html import matrix_html
+
+    server = runtime == "sglang-server"
+    judged = [replace(column, divergences=known_divergences(
+        column.version, SERVER_PARITY_DIR if server else PARITY_DIR).describe()) for column in columns]
+    cells = _cells_of(columns, done, report_dir, runtime)
+    verdict = gate(last, candidate, cells, confirmations, flaky) if last and candidate else None
     result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
@@ -442,6 +530,8 @@ def rejudge_matrix(report_dir: str | Path) -> MatrixResult:
     done = {label: _records(report_dir / "runs" / file_label(label) / "verdicts.jsonl")
             for label in ["native", *(c.label for c in columns)]}
     gate_doc = doc.get("gate") or {}
+    confirmations = {name: confirmation_from_dict(c) for name, c in (gate_doc.get("confirmations") or {}).items()}
     return _judge(columns, done, float(doc.get("native_seconds", 0.0)), report_dir,
                   float(doc.get("wall_seconds", 0.0)), doc.get("runtime", "local"),
-                  gate_doc.get("last"), gate_doc.get("candidate"))
+                  gate_doc.get("last"), gate_doc.get("candidate"), confirmations,
+                  "fail" if gate_doc.get("flaky_fails") else "warn")

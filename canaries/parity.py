@@ -23,7 +23,7 @@ SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences
 UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
 
 __all__ = ["PARITY_DIR", "SERVER_PARITY_DIR", "UNSUPPORTED_NOTE", "ParityResult", "judge_parity", "rejudge", "ParityRow", "detectors_of", "expectations_path", "load_expectations",
-           "lost_sglang_hits", "recorded_verdicts", "refused_reason", "run_parity", "unsupported_reason"]
+           "harness_failed", "lost_sglang_hits", "recorded_verdicts", "refused_reason", "run_parity", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ParityRow:
     sglang_detectors: tuple[str, ...]
     native_latency: int | None
     sglang_latency: int | None
-    status: str  # same | known | unexplained | unsupported
+    status: str  # same | known | unexplained | unsupported | harness (the harness failed a side)
     reason: str = ""
 
     def to_dict(self) -> dict:
@@ -73,8 +73,11 @@ class ParityResult:
         same = sum(r.status == "same" for r in self.rows)
         known = sum(r.status == "known" for r in self.rows)
         unsupported = sum(r.status == "unsupported" for r in self.rows)
+        harness = [r.scenario for r in self.rows if r.status == "harness"]
         lines += ["", f"{same} same, {known} known divergences, {len(self.unexplained)} unexplained"
-                  + (f", {unsupported} unsupported by this release here" if unsupported else "")]
+                  + (f", {unsupported} unsupported by this release here" if unsupported else "")
+                  + (f", {len(harness)} not compared: the harness failed a side (cause: harness): "
+                     f"{', '.join(harness)}" if harness else "")]
         if self.native_failures:
             lines.append(f"native failures (fix them first): {', '.join(self.native_failures)}")
         return "\n".join(lines) + "\n"
@@ -167,6 +170,15 @@ def _first_latency(record: Any) -> int | None:
     return min(values) if values else None
 
 
+def harness_failed(record: Any) -> bool:
+    """Whether the harness, not the engine, left this record without a verdict (`cause: harness`):
+    such a cell is kept apart from the release's verdicts (never same, known or unexplained)."""
+    cause = getattr(record, "cause", None)
+    if cause is None and isinstance(getattr(record, "extra", None), dict):
+        cause = record.extra.get("cause")
+    return cause == "harness"
+
+
 def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
             lost: dict[str, str] | None = None, unsupported: dict[str, str] | None = None,
             comparable: frozenset[str] | None = None,
@@ -174,7 +186,8 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
     """One row per scenario; `lost` (scenario -> `lost_sglang_hits`) makes a row unexplained
     whatever its verdict: a hit SGLang counted and the engine never reported; `unsupported`
     (scenario -> `unsupported_reason`) makes an INCONCLUSIVE row `unsupported`: the release
-    cannot run that configuration here. `comparable`: the detectors both sides can report (the
+    cannot run that configuration here; a side the harness failed (`harness_failed`) makes the
+    row `harness`, no comparison. `comparable`: the detectors both sides can report (the
     server's set); None: all of them. `native_unsupported`: the same for our side (a scenario
     only SGLang's server can run: its own knobs)."""
     def compared(record: Any) -> tuple[str, ...]:
@@ -195,6 +208,8 @@ def compare(native: list[Any], sglang: list[Any], expected: dict[str, dict],
             status, reason = "unsupported", f"ours: {native_unsupported[n.scenario]}"
         elif s.verdict == "INCONCLUSIVE" and (unsupported or {}).get(n.scenario):
             status, reason = "unsupported", unsupported[n.scenario]
+        elif failed := next((r for r in (n, s) if harness_failed(r)), None):
+            status, reason = "harness", f"{'ours' if failed is n else 'sglang'}: {failed.reason}"
         elif same:
             status, reason = "same", ""
         elif known and s.verdict in recorded_verdicts(known):

@@ -38,7 +38,7 @@ from canaries.watchdog import Patience
 if TYPE_CHECKING:
     from canaries.runtime.safety import SignalLatch
 
-__all__ = ["run_scenario", "run_many", "patience_for", "new_run_id", "default_report_dir", "cancel_all",
+__all__ = ["run_scenario", "run_many", "patience_for", "new_run_id", "default_report_dir", "cancel_all", "cancelled",
            "repo_root", "spec_for", "RunInterrupted", "INTERRUPTED", "NOT_RUN"]
 
 # An engine that exits before it is ready is seen at once (its ready pipe closes): this bounds
@@ -54,6 +54,7 @@ STALL_S = 30.0
 MIN_HARD_CAP_S = 300.0
 HARD_CAP_PER_REQUEST_S = 10.0
 POLL_S = 0.1  # how often the run loop looks for a signal
+HARNESS_RETRIES = 2  # a scenario whose run the harness failed runs again this often at most
 WIND_DOWN_S = 15.0  # how long the scenarios running at an interrupt get to finish stopping
 
 INTERRUPTED = "interrupted"  # the reason of a scenario that was running when the run stopped
@@ -95,11 +96,17 @@ def default_report_dir(run_id: str | None = None) -> Path:
     return base / "reports" / (run_id or new_run_id())
 
 
+def cancelled() -> bool:
+    """Whether the run is stopping (`cancel_all`, a signal): start no engine."""
+    return _CANCEL.is_set()
+
+
 def cancel_all() -> None:
-    """Ctrl-C: start no new scenario, stop every engine still running."""
-    from canaries.runtime.safety import stop_all
+    """Ctrl-C: start no new scenario or engine, stop every engine still running."""
+    from canaries.runtime.safety import set_stopping, stop_all
 
     _CANCEL.set()
+    set_stopping(True)
     stop_all(timeout=3.0)
 
 
@@ -185,6 +192,7 @@ class _Oracle:
         self._thread: threading.Thread | None = None
         self._mismatches: list[dict] = []
         self._error: str | None = None
+        self.no_oracle: str | None = None  # our engine's oracle always has a reference
 
     def start(self, responses: list[dict]) -> None:
         if self._wanted and responses:
@@ -235,6 +243,15 @@ def _default_reference(spec: dict, python: str | None = None) -> Any:
 
 
 # ---- one scenario ----------------------------------------------------------------------------------
+
+
+def _engine_cpu(runtime: Any) -> tuple[float, float] | None:
+    """The running engine's process group's CPU time (`canaries.schedstat.group_cpu`), or None."""
+    from canaries.schedstat import group_cpu
+
+    proc = getattr(runtime, "proc", None) or getattr(getattr(runtime, "server", None), "proc", None)
+    pid = getattr(proc, "pid", None)
+    return group_cpu(pid) if isinstance(pid, int) else None
 
 
 def _wait_idle_check(base_url: str, runtime: Any, timeout: float) -> dict | None:
@@ -310,6 +327,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     The run dir keeps a copy of the scenario file as it ran
     (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
+    from canaries.parity import UNSUPPORTED_NOTE
     from canaries.runtime import get_runtime
     from canaries.verdict import Observation, judge
 
@@ -329,6 +347,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     timed_out = False
     hang: str | None = None
     exit_code: int | None = None
+    unsupported = False
     regressions = tuple(scenario.regressions)
     if regressions:
         # A negative test: the engine runs from a copy with these catalogue entries applied.
@@ -370,7 +389,8 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
         # A runtime that knows its engine's progress its own way (SGLang's server) says so.
         responses = drive_workload(base_url, workload, seed, patience or patience_for(workload, rt), plan=plan,
                                    progress=getattr(rt, "progress", None),
-                                   hang_up_by=getattr(rt, "hang_up_by", "gate"))
+                                   hang_up_by=getattr(rt, "hang_up_by", "gate"),
+                                   lockstep=getattr(rt, "lockstep", None), cpu=lambda: _engine_cpu(rt))
         mark("drive")
         oracle.start(responses)  # computed while the engine idles and stops
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
@@ -387,6 +407,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     except RuntimeError as exc:  # the engine never became ready (or its fork server failed)
         error = str(exc)
         timed_out = "not ready within" in error
+        unsupported = (run_dir / UNSUPPORTED_NOTE).is_file()  # a refusal, not a failure
     except Exception as exc:  # noqa: BLE001 - a harness failure is this scenario's verdict, not the run's end
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -415,9 +436,11 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     mark("oracle")
     if mismatches:
         _write_jsonl(run_dir / "oracle_mismatches.jsonl", mismatches)
+    starved = next((r["starved"] for r in responses if r.get("starved")), None)
     obs = Observation(events=events, responses=responses, exit_code=exit_code,
                       timed_out=timed_out, oracle_mismatches=[m["rid"] for m in mismatches],
-                      error=error, hang=hang)
+                      error=error, hang=hang, unsupported=unsupported, starved=starved,
+                      no_oracle=None if cancelled else oracle.no_oracle)
     record = judge(scenario, obs)
     differs = (getattr(oracle, "record", lambda: None)() or {}).get("differs")
     if differs and record.verdict in ("MISSED", "NOT_REACHED"):
@@ -456,7 +479,7 @@ def _interrupted(record: Any) -> Any:
     extra["interrupted"] = {"state": "running", "judged": f"{record.verdict}: {record.reason}"}
     rest = record.signature.split("|", 1)[1] if "|" in record.signature else ""
     return dataclasses.replace(record, verdict="INCONCLUSIVE", passed=False, reason=INTERRUPTED,
-                               signature=f"INCONCLUSIVE|{rest}", extra=extra)
+                               signature=f"INCONCLUSIVE|{rest}", extra=extra, cause=None)
 
 
 def _unjudged(scenario: Any, verdict: str, reason: str, state: str) -> Any:
@@ -477,10 +500,36 @@ def _harness_failed(scenario: Any, exc: Exception) -> Any:
     the error as its reason and its traceback in `extra`; the rest of the run goes on."""
     import traceback
 
+    from canaries.verdict.record import HARNESS
+
     record = _unjudged(scenario, "INCONCLUSIVE", f"harness error: {type(exc).__name__}: {exc}", "failed")
     extra = {k: v for k, v in record.extra.items() if k != "interrupted"}
     extra["harness_error"] = "".join(traceback.format_exception(exc))[-4000:]
-    return dataclasses.replace(record, extra=extra)
+    return dataclasses.replace(record, extra=extra, cause=HARNESS)
+
+
+def _run_retried(scenario: Any, run_dir: Path, retries: int, **options: Any) -> Any:
+    """`run_scenario`, again (up to `retries` times) while the harness is what failed (the
+    record's `cause`); each failed attempt's run dir is kept beside it (`<name>.harness-N`) and
+    its reason in the final record's `extra["harness_retries"]`."""
+    from canaries.verdict.record import HARNESS
+
+    failures: list[str] = []
+    while True:
+        try:
+            record = run_scenario(scenario, run_dir, **options)
+        except Exception as exc:  # noqa: BLE001 - this scenario's harness failed; the run goes on
+            record = _harness_failed(scenario, exc)
+        if record.cause != HARNESS or len(failures) >= retries or _CANCEL.is_set():
+            break
+        failures.append(record.reason)
+        aside = run_dir.with_name(f"{run_dir.name}.harness-{len(failures)}")
+        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_dir.rename(aside)
+    if failures:
+        record.extra["harness_retries"] = failures
+    return record
 
 
 def _cause(signum: int | None, error: BaseException | None) -> str:
@@ -495,9 +544,11 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
              runtime: str = "local", device: str | None = None, progress: Any = True,
              latch: SignalLatch | None = None, baseline: str | os.PathLike | None = None,
              engine_root: str | os.PathLike | None = None, memory: str | None = None,
-             engine_python: str | None = None, reference: Any = None) -> list:
+             engine_python: str | None = None, reference: Any = None,
+             harness_retries: int = HARNESS_RETRIES) -> list:
     """Run every scenario; verdicts.jsonl grows as they finish; junit.xml and the kill matrix
-    at the end. Returns one record per scenario, in order.
+    at the end. Returns one record per scenario, in order. A scenario whose run the harness
+    failed (the record's `cause: harness`) runs again, up to `harness_retries` times.
 
     SIGINT or SIGTERM (in the main thread; or `cancel_all` from anywhere) interrupts the run:
     no scenario starts after it, the running ones' engines are stopped, every selected
@@ -512,7 +563,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     that signals stay latched beyond the run, until the caller lets go).
     """
     from canaries.report import Interruption, append_verdict
-    from canaries.runtime.safety import SignalLatch, stop_all
+    from canaries.runtime.safety import SignalLatch, set_stopping, stop_all
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -521,6 +572,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     durations: dict[str, float] = {}
     n = len(scenarios)
     _CANCEL.clear()
+    set_stopping(False)
 
     from canaries.progress import progress_for
 
@@ -534,12 +586,9 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         if shown is not None:
             shown.started(sc.name)
         t0 = time.monotonic()
-        try:
-            record = run_scenario(sc, report_dir / sc.name, runtime=runtime, device=device,
-                                  engine_root=engine_root, memory=memory, engine_python=engine_python,
-                                  reference=reference)
-        except Exception as exc:  # noqa: BLE001 - this scenario's harness failed; the run goes on
-            record = _harness_failed(sc, exc)
+        record = _run_retried(sc, report_dir / sc.name, harness_retries, runtime=runtime, device=device,
+                              engine_root=engine_root, memory=memory, engine_python=engine_python,
+                              reference=reference)
         return i, record, time.monotonic() - t0
 
     def append(record: Any, *, tolerant: bool) -> None:
@@ -593,6 +642,7 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
         # Interrupted: start nothing more, stop every engine, let the running scenarios record
         # themselves (as interrupted), then write every report saying the run was interrupted.
         _CANCEL.set()
+        set_stopping(True)  # an engine (an oracle's clean server) whose start is under way stops too
         pool.shutdown(wait=False, cancel_futures=True)
         if progress:
             print(f"canary: {_cause(latch.signum, error)}: stopping every engine, then writing "

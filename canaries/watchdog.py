@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from canaries.schedstat import CpuTime, starved
+
 __all__ = ["Patience", "Watchdog"]
 
 
@@ -51,9 +53,11 @@ class Watchdog:
     workload; requests `track` themselves with the callable that aborts them."""
 
     def __init__(self, patience: Patience, probe: Callable[[], Hashable | None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], CpuTime | None] | None = None) -> None:
         self.patience = patience
         self._probe = probe
+        self._cpu = cpu or (lambda: None)  # the engine's (ran, waited for a CPU) seconds
         self._clock = clock
         self._lock = threading.Lock()
         self._aborts: dict[int, Callable[[], None]] = {}
@@ -61,6 +65,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reason: str | None = None  # why it fired; None while it has not
+        self.starved: str | None = None  # a stall while the machine starved the engine: how
 
     @property
     def fired(self) -> bool:
@@ -100,6 +105,7 @@ class Watchdog:
     def _watch(self) -> None:
         started = last_progress = self._clock()
         last: Hashable | None = None
+        stalled_from: tuple[float, CpuTime | None] | None = None  # when a stall began, its CPU reading
         while not self._stop.wait(self.patience.poll_s):
             now = self._clock()
             outstanding = self.outstanding
@@ -108,15 +114,20 @@ class Watchdog:
                            f"{outstanding} request(s) outstanding")
                 return
             if not outstanding:
-                last_progress = now  # the stall clock runs only while the engine owes answers
+                last_progress, stalled_from = now, None  # the stall clock runs only while answers are owed
                 continue
             snapshot = self._probe()
             if snapshot is not None and snapshot != last:
-                last, last_progress = snapshot, self._clock()
+                last, last_progress, stalled_from = snapshot, self._clock(), None
             elif now - last_progress >= self.patience.stall_s:
-                self._fire(f"no engine progress for {self.patience.stall_s:g} s with "
-                           f"{outstanding} request(s) outstanding")
+                reason = (f"no engine progress for {self.patience.stall_s:g} s with "
+                          f"{outstanding} request(s) outstanding")
+                if stalled_from is not None:
+                    self.starved = starved(stalled_from[1], self._cpu(), now - stalled_from[0])
+                self._fire(reason + (f" ({self.starved})" if self.starved else ""))
                 return
+            elif stalled_from is None:
+                stalled_from = (now, self._cpu())
 
     def _fire(self, reason: str) -> None:
         with self._lock:

@@ -286,3 +286,50 @@ def test_diff_of_a_run_against_a_planted_regression_exits_1_naming_scenarios_and
     # the signature.
     assert "WRONG_DETECTOR|census.ledger,census.slot_owner,idle.swa_ledger|leak_request" in out
     assert "clean-page1-radix" not in out.split("new failures", 1)[1].split("unchanged", 1)[0]
+
+
+def test_new_failure_that_passes_when_run_again_is_flaky_not_a_regression(tmp_path):
+    base = report(tmp_path / "base", *BASE)
+    run = report(tmp_path / "run", record("a", "MISSED", detectors=()), *BASE[1:])
+    again = {"a": record("a")}  # RUN's side runs `a` again: it passes
+    d = diff_runs(base, run).confirm(2, lambda names, attempt: {n: again[n] for n in names})
+    assert not d.regressed and [c.scenario for c in d.flaky] == ["a"] and d.new_failures == ()
+    assert d.confirmations["a"].after == (("MISSED", False), ("DETECTED", True), ("DETECTED", True))
+    assert "FLAKY (1)" in d.to_text() and "no regression" in d.to_text()
+    assert diff_runs(base, run).confirm(2, lambda names, attempt: {n: again[n] for n in names},
+                                        flaky="fail").regressed
+
+
+def test_new_failure_that_fails_every_rerun_stays_a_regression(tmp_path):
+    base = report(tmp_path / "base", *BASE)
+    run = report(tmp_path / "run", record("a", "MISSED", detectors=()), *BASE[1:])
+    calls = []
+
+    def rerun(names, attempt):
+        calls.append((tuple(names), attempt))
+        return {n: record(n, "MISSED", detectors=()) for n in names}
+
+    d = diff_runs(base, run).confirm(2, rerun)
+    assert d.regressed and [c.scenario for c in d.new_failures] == ["a"] and d.flaky == ()
+    assert calls == [(("a",), 1), (("a",), 2)]
+
+
+@pytest.mark.slow
+def test_canary_diff_reruns_a_new_failure_as_it_ran_and_calls_it_flaky(tmp_path, capsys):
+    """A run whose record says a clean control failed (as a loaded machine's run once did), and
+    which passes when `canary diff --reruns` runs it again from its run dir: FLAKY, exit 0."""
+    from canaries.cli import main as canary
+
+    scenario = Path(__file__).resolve().parents[1] / "configs" / "scenarios" / "clean-page1-radix.yaml"
+    base, run = tmp_path / "base", tmp_path / "run"
+    assert canary(["run", str(scenario), "--report-dir", str(base)]) == 0
+    assert canary(["run", str(scenario), "--report-dir", str(run)]) == 0
+    lines = (run / "verdicts.jsonl").read_text().splitlines()
+    failed = {**json.loads(lines[0]), "verdict": "INCONCLUSIVE", "passed": False, "reason": "a loaded machine"}
+    (run / "verdicts.jsonl").write_text(json.dumps(failed) + "\n")
+    capsys.readouterr()
+    assert canary(["diff", str(base), str(run), "--reruns", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "FLAKY (1)" in out and "clean-page1-radix" in out
+    assert (run / "reruns" / "rerun-1" / "clean-page1-radix" / "verdict.json").is_file()
+    assert canary(["diff", str(base), str(run), "--reruns", "1", "--flaky", "fail"]) == 1

@@ -45,10 +45,33 @@ def test_run_many_with_harness_failures_judges_every_other_scenario(tmp_path, mo
         "INCONCLUSIVE", "harness error: OSError: planted: the run dir's disk went away")
     assert (by_name["clean-hang-up-radix"].verdict, by_name["clean-hang-up-radix"].reason) == (
         "INCONCLUSIVE", "harness error: ValueError: planted: Expecting value: line 1 column 1 (char 0)")
+    for name in ("clean-page1-radix", "clean-hang-up-radix"):  # retried twice, then kept apart
+        assert by_name[name].cause == "harness" and len(by_name[name].extra["harness_retries"]) == 2
+        assert (tmp_path / "report" / f"{name}.harness-2").is_dir()
     assert by_name["leak-every-row-warn"].verdict == "DETECTED"
     assert by_name["leak-request"].verdict == "DETECTED"
     assert "interrupted" not in by_name["clean-page1-radix"].extra
     verdicts = (tmp_path / "report" / "verdicts.jsonl").read_text(encoding="utf-8")
     assert verdicts.count('"scenario"') == len(NAMES) and "NOT_RUN" not in verdicts
     assert (tmp_path / "report" / "junit.xml").exists()
+    assert engines_under(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_run_many_retries_a_run_the_harness_failed_and_keeps_the_engines_verdict(tmp_path, monkeypatch):
+    scenario = load_scenario(SCENARIOS / "clean-page1-radix.yaml")
+    drive = runner.drive_workload
+    failures = []
+
+    def drive_losing_the_first_connection(base_url, workload, *args, **kwargs):
+        if not failures:  # a lost connection, once: the harness's failure, not the engine's
+            failures.append(base_url)
+            raise ConnectionResetError("planted: connection reset by peer")
+        return drive(base_url, workload, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "drive_workload", drive_losing_the_first_connection)
+    [record] = run_many([scenario], tmp_path / "report", progress=False)
+    assert (record.verdict, record.cause) == ("CLEAN", None)
+    assert record.extra["harness_retries"] == ["harness error: ConnectionResetError: planted: connection reset by peer"]
+    assert (tmp_path / "report" / "clean-page1-radix.harness-1" / "verdict.json").is_file()
     assert engines_under(tmp_path) == []

@@ -75,7 +75,7 @@ def test_rejudge_of_a_directory_that_is_no_matrix_report_is_a_usage_error(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_server_gate_fails_on_planted_regressions_that_unmodified_release_passes(tmp_path: Path) -> None:
     """The gate on servers, last = 0.5.23 as released, candidate = 0.5.23 with two planted
     regressions (canaries/releases/patches.py): `release-leaks-last-slot` (request level, only
@@ -91,13 +91,17 @@ def test_server_gate_fails_on_planted_regressions_that_unmodified_release_passes
         [sys.executable, "-m", "canaries.cli", "matrix", "--runtime", "sglang-server",
          str(SCENARIOS / "clean-page1-noradix.yaml"), str(SCENARIOS / "corrupt-r2t-zero-page1.yaml"),
          "--last", "0.5.23", "--candidate", candidate, "--no-build", "-j", "1", "--columns", "2",
-         "--report-dir", str(report)],
+         "--reruns", "1", "--report-dir", str(report)],
         capture_output=True, text=True, cwd=REPO, check=False)
     out = proc.stdout + proc.stderr
     doc = json.loads((report / "matrix.json").read_text(encoding="utf-8"))
     assert proc.returncode == 1, out
     assert doc["runtime"] == "sglang-server" and "GATE FAILED" in out
     assert sorted(doc["gate"]["regressions"]) == ["clean-page1-noradix", "corrupt-r2t-zero-page1"]
+    # Confirmed before it failed: each ran once more on both columns, and held.
+    for confirmation in doc["gate"]["confirmations"].values():
+        assert [p for _, p in confirmation["before"]] == [True, True]
+        assert [p for _, p in confirmation["after"]] == [False, False]
     cells = doc["scenarios"]
     assert cells["clean-page1-noradix"]["0.5.23"]["verdict"] == "CLEAN"
     assert cells["corrupt-r2t-zero-page1"]["0.5.23"]["verdict"] == "DETECTED"

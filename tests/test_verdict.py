@@ -298,3 +298,36 @@ def test_judge_rules_run_in_their_documented_order() -> None:
         "run_told_nothing", "clean_control", "not_injected", "silent_detectors",
         "alarm_before_landing", "disabled_as_declared", "expected_firings", "latency",
         "crash_expectation"]
+
+
+@pytest.mark.parametrize(("kw", "exit_code", "events", "fragment"), [
+    ({"error": "the clean server's oracle failed: RuntimeError: RemoteDisconnected"}, 0, [start(), shutdown(9)],
+     "oracle failed"),
+    ({"timed_out": True, "hang": "no engine progress for 240 s", "starved": "the machine starved the engine"},
+     None, [start()], "no engine progress"),
+    ({"responses": [{"rid": "r4", "status": None, "error": "RemoteDisconnected: Remote end closed connection"}]},
+     -9, [start()], "lost connections"),
+])
+def test_judge_a_run_the_harness_failed_is_inconclusive_with_cause_harness(kw, exit_code, events, fragment) -> None:
+    record = judge(scenario(CLEAN, perturbed=False), obs(events, exit_code, **kw))
+    assert (record.verdict, record.cause) == ("INCONCLUSIVE", "harness") and fragment in record.reason
+
+
+@pytest.mark.parametrize(("kw", "exit_code", "events"), [
+    ({"error": "perturbations[0].kind: no hook in SGLang's scheduler", "unsupported": True}, None, [start()]),
+    ({"timed_out": True, "hang": "no engine progress for 240 s"}, None, [start()]),  # the engine's hang
+    ({"responses": [{"rid": "r4", "status": None, "error": "RemoteDisconnected: gone"}]}, 3,
+     [start(), crash(4)]),  # the engine died of its own check: its connections went with it
+    ({"responses": [{"rid": "r4", "status": None, "error": "ConnectionRefusedError: refused"}]}, -11, [start()]),
+])
+def test_judge_a_run_whose_engine_failed_has_no_harness_cause(kw, exit_code, events) -> None:
+    record = judge(scenario(CLEAN, perturbed=False), obs(events, exit_code, **kw))
+    assert record.verdict == "INCONCLUSIVE" and record.cause is None
+
+
+def test_judge_a_clean_server_that_answered_an_error_is_no_oracle_and_the_releases() -> None:
+    record = judge(scenario(CLEAN, perturbed=False),
+                   obs([start(), shutdown(9)], 0, no_oracle="the release's own clean server answered r0002 "
+                       "with HTTP 500 (Out of memory even after retracting)"))
+    assert record.verdict == "INCONCLUSIVE" and record.cause is None
+    assert record.reason.startswith("no oracle: the release's own clean server answered r0002 with HTTP 500")

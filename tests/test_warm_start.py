@@ -97,3 +97,26 @@ def test_cuda_engines_and_an_explicit_fresh_request_start_fresh():
     assert start_mode("warm", "cpu") == "warm"
     with pytest.raises(ValueError, match="valid modes"):
         start_mode("lukewarm", "cpu")
+
+
+@pytest.mark.slow
+def test_retired_fork_server_keeps_its_engine_until_the_engine_stops(tmp_path):
+    import os
+
+    from canaries.runtime.warm import close_fork_server, fork_server
+
+    server = fork_server(engine_root=REPO)  # a key of its own: no other test's server is retired
+    proc = server.spawn(["--port", "0", "--event-log", str(tmp_path / "events.jsonl")], {},
+                        tmp_path / "engine.log")
+    try:
+        assert proc.wait_ready(60), "engine not ready"
+        close_fork_server(engine_root=REPO)  # as a matrix column's end retires its release's parent
+        assert fork_server(engine_root=REPO) is not server  # nothing more is forked from it
+        time.sleep(0.5)
+        assert proc.poll() is None and _alive(proc.pid), "the retired server killed an engine still in use"
+        assert server.alive
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the engine's own stop
+        proc.wait(10)
+    server.proc.wait(10)  # its last engine gone, the retired server closes
+    close_fork_server(engine_root=REPO)

@@ -77,3 +77,30 @@ def test_watchdog_aborts_a_request_tracked_after_it_fired_at_once():
 def test_patience_with_a_bad_field_is_refused_naming_it(kwargs, named):
     with pytest.raises(ValueError, match=named):
         Patience(**kwargs)
+
+
+def test_watchdog_stall_while_the_machine_starves_the_engine_says_so():
+    readings = iter([(1.0, 0.0), (1.0, 50.0)])  # (ran, waited for a CPU) at the stall's start, at the cut
+    with Watchdog(Patience(stall_s=0.2, hard_cap_s=30, poll_s=0.02), probe=lambda: (7, 0, 0),
+                  cpu=lambda: next(readings, (1.0, 50.0))) as dog:
+        dog.track(lambda: None)
+        time.sleep(1.0)
+    assert dog.fired and dog.starved and "starved" in dog.reason
+
+
+def test_watchdog_stall_of_an_engine_that_ran_or_slept_is_the_engines():
+    from canaries.schedstat import starved
+
+    assert starved((0.0, 0.0), (0.0, 0.1), 240.0) is None  # it slept: waiting on something, a hang
+    assert starved((0.0, 0.0), (60.0, 180.0), 240.0) is None  # it ran a quarter of the window: spinning
+    assert "waited 230 s" in starved((0.0, 0.0), (1.0, 230.0), 240.0)
+    assert starved(None, (1.0, 230.0), 240.0) is None  # /proc could not say
+
+
+def test_group_cpu_reads_this_process_group():
+    import os
+
+    from canaries.schedstat import group_cpu
+
+    ran, waited = group_cpu(os.getpgrp())
+    assert ran > 0 and waited >= 0

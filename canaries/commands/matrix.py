@@ -15,14 +15,21 @@ followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` pa
 `--runtime sglang-server` each column is that release's own server (its venv from
 `make-sglang-venv.sh --server`), a patched column's server running the patched copy.
 
+As a gate, a scenario that passed on `--last` and fails on `--candidate` runs `--reruns` more
+times on both before it counts; one that disagrees with itself is FLAKY (shown; the gate fails on
+it only with `--flaky fail`). A cell the harness failed (`cause: harness`) is no verdict on the
+release: it is shown apart and never fails the gate.
+
 Exit 0 when every cell is explained (or, as a gate, when no scenario that passed on `--last`
-fails on `--candidate`), 1 otherwise (naming the scenarios), 2 on bad arguments or a release
-that cannot be had, 130 on Ctrl-C.
+fails on `--candidate` every time), 1 otherwise (naming the scenarios), 2 on bad arguments or a
+release that cannot be had, 130 on Ctrl-C (SIGINT or SIGTERM: every column stops at once and the
+matrix of what ran is written).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from canaries.commands.common import (
@@ -32,10 +39,11 @@ from canaries.commands.common import (
     UsageError,
     load_scenarios,
 )
+from canaries.confirm import DEFAULT_RERUNS, FLAKY_POLICIES
 
 __all__ = ["add_parser", "run", "read_config"]
 
-_CONFIG_FIELDS = {"sglang", "last", "candidate", "jobs", "runtime"}
+_CONFIG_FIELDS = {"sglang", "last", "candidate", "jobs", "runtime", "reruns", "flaky"}
 RUNTIMES = ("local", "sglang-server")
 
 
@@ -60,6 +68,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "each release's own server (sglang-server; known divergences: configs/parity/server/)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
+    matrix.add_argument("--reruns", type=int, default=None, metavar="N",
+                        help="gate: a scenario that passed on --last and fails on --candidate runs N more times "
+                             f"on both before it counts (default {DEFAULT_RERUNS}; 0: no reruns)")
+    matrix.add_argument("--flaky", choices=FLAKY_POLICIES, default=None,
+                        help="gate: a cell that disagrees with itself on a rerun is FLAKY: shown, and the gate "
+                             "passes (warn, default) or fails (fail)")
     matrix.add_argument("--rejudge", metavar="DIR",
                         help="judge this matrix report's kept runs again against today's known divergences "
                              "(its columns, runtime and gate as they ran; nothing reruns)")
@@ -92,6 +106,11 @@ def read_config(path: str) -> dict:
         raise UsageError(f"{path}: jobs: a positive integer")
     if "runtime" in doc and doc["runtime"] not in RUNTIMES:
         raise UsageError(f"{path}: runtime: one of {', '.join(RUNTIMES)}")
+    if "reruns" in doc and (not isinstance(doc["reruns"], int) or isinstance(doc["reruns"], bool)
+                            or doc["reruns"] < 0):
+        raise UsageError(f"{path}: reruns: a whole number >= 0")
+    if "flaky" in doc and doc["flaky"] not in FLAKY_POLICIES:
+        raise UsageError(f"{path}: flaky: one of {', '.join(FLAKY_POLICIES)}")
     return doc
 
 
@@ -117,8 +136,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("the gate needs both --last and --candidate")
     jobs = args.jobs or config.get("jobs") or 1
     runtime = args.runtime or config.get("runtime") or "local"
+    reruns = args.reruns if args.reruns is not None else config.get("reruns", DEFAULT_RERUNS)
+    flaky = args.flaky or config.get("flaky") or "warn"
     if jobs < 1:
         raise UsageError("--jobs: at least 1")
+    if reruns < 0:
+        raise UsageError("--reruns: at least 0")
     if args.columns < 1:
         raise UsageError("--columns: at least 1")
     try:
@@ -145,16 +168,23 @@ def run(args: argparse.Namespace) -> int:
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"matrix-{new_run_id()}")
     try:
         result = run_matrix(scenarios, releases, report, jobs=jobs, columns_at_once=args.columns,
-                            build=not args.no_build,
-                            last=last, candidate=candidate, runtime=runtime)
+                            build=not args.no_build, last=last, candidate=candidate, runtime=runtime,
+                            reruns=reruns, flaky=flaky)
     except ReleaseError as exc:
         raise UsageError(str(exc)) from None
-    except RunInterrupted:
-        print(f"canary: matrix interrupted; the columns run so far are under {report}/runs/")
+    except RunInterrupted as exc:
+        print(f"canary: matrix interrupted ({exc.interruption.cause}); every engine stopped; what ran is in "
+              f"{report}/matrix.md (its unfinished cells NOT_RUN or interrupted) and {report}/runs/",
+              file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     print(result.to_markdown())
     print(f"report: {report} (matrix.md, matrix.json, matrix.html, runs/)")
-    if result.gate is not None and not result.gate.ok:
-        print(f"GATE FAILED: {len(result.gate.regressions)} scenario(s) pass on {last} and fail on "
-              f"{candidate}: {', '.join(result.gate.regressions)}")
+    g = result.gate
+    if g is not None and not g.ok:
+        failing = [*g.regressions, *(g.flaky if g.flaky_fails else ())]
+        print(f"GATE FAILED: {len(failing)} scenario(s) pass on {last} and fail on {candidate}"
+              f"{' (flaky ones count: --flaky fail)' if g.flaky_fails and g.flaky else ''}: {', '.join(failing)}")
+    elif g is not None and g.flaky:
+        print(f"GATE PASSED with {len(g.flaky)} FLAKY cell(s) (passed on {last}, failed on {candidate}, then "
+              f"disagreed with themselves; --flaky fail makes them fail the gate): {', '.join(g.flaky)}")
     return EXIT_OK if result.ok else EXIT_FAILED

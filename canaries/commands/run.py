@@ -26,6 +26,7 @@ from canaries.commands.common import (
     UsageError,
     load_scenarios,
 )
+from canaries.confirm import DEFAULT_RERUNS, FLAKY_POLICIES
 
 __all__ = ["add_parser", "match_k", "parse_shard", "run", "select"]
 
@@ -54,6 +55,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--regression", action="append", default=[], metavar="NAME",
                       help="run the engine with this catalogued regression applied (a copy of its "
                            "sources; repeatable): what a broken engine looks like to the suite")
+    run_.add_argument("--reruns", type=int, default=DEFAULT_RERUNS, metavar="N",
+                      help="with --baseline: a scenario that passed there and fails here runs N more times "
+                           f"before it counts (into REPORT/reruns/; default {DEFAULT_RERUNS}, 0: none)")
+    run_.add_argument("--flaky", choices=FLAKY_POLICIES, default="warn",
+                      help="with --baseline: a scenario that disagrees with itself on a rerun is FLAKY: shown, "
+                           "and the run passes (warn, default) or fails (fail) on it")
     run_.add_argument("--baseline", metavar="REPORT_DIR",
                       help="an earlier run's report: index.html gets a diff against it, and the "
                            "changes are printed (exit 1 on a regression, as for any failure)")
@@ -160,6 +167,10 @@ def _summary(records: list) -> None:
     passed = sum(1 for r in records if r.passed)
     print(f"\n{passed}/{len(records)} passed; " + ", ".join(f"{v}: {c}" for v, c in
                                                          sorted(counts.items())))
+    harness = [r.scenario for r in records if getattr(r, "cause", None) == "harness"]
+    if harness:
+        print(f"{len(harness)} not judged: the harness failed, not the engine (cause: harness, after "
+              f"retries): {', '.join(harness)}")
 
 
 def _planted(names: list[str]) -> Path | None:
@@ -277,8 +288,26 @@ def run(args: argparse.Namespace) -> int:
     regressed = False
     if args.baseline is not None:
         from canaries.report.diff import diff_runs
+        from canaries.report.html import write_html
 
         diff = diff_runs(Path(args.baseline), report_dir)
+        if diff.new_failures and args.reruns > 0:
+            by_name = {sc.name: sc for sc in scenarios}
+
+            def rerun(names, attempt: int) -> dict:
+                print(f"canary: rerun {attempt}/{args.reruns} of {len(names)} new failure(s): {', '.join(names)}",
+                      flush=True)
+                return {r.scenario: r for r in run_many(
+                    [by_name[n] for n in names], report_dir / "reruns" / f"rerun-{attempt}", jobs=args.jobs,
+                    runtime=args.runtime, device=args.device, progress=False, memory=args.memory,
+                    engine_python=args.engine_python, engine_root=engine_root)}
+
+            try:
+                diff = diff.confirm(args.reruns, rerun, args.flaky)
+            except RunInterrupted as exc:
+                print(f"\ncanary: the reruns were interrupted: {exc.interruption.summary()}", file=sys.stderr)
+                return 128 + exc.signum if exc.signum is not None else EXIT_INTERRUPTED
+            write_html(report_dir, diff=diff)
         print("\n" + diff.to_text())
         regressed = diff.regressed
     print(f"\nreport: {report_dir}  ({time.monotonic() - t0:.1f}s); open {report_dir / 'index.html'}")

@@ -10,7 +10,9 @@ an interrupted run's run-level record is kept aside). Categories, for scenarios 
 - **changed detector**: the same pass state, a different set of firing detectors;
 - **changed latency**: a detector whose detection latency (steps from the first landing to its
   first firing) moved by more than the threshold;
-- **added** / **removed**: scenarios in only one of the runs.
+- **added** / **removed**: scenarios in only one of the runs;
+- **flaky**: new failures that passed when RUN's side ran them again (`DiffResult.confirm`:
+  `canary diff --reruns N`, `canary run --baseline`): not a regression (`--flaky fail` makes them one).
 
 A scenario can be in several of the last three. `regressed` is True iff some scenario passed in
 BASE and fails in RUN. `python -m canaries.report.diff BASE RUN [--json]` prints the text (or the
@@ -22,15 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from canaries.report.jsonl import read_run, read_verdicts
 
 __all__ = ["Change", "DiffResult", "ReportError", "diff_runs", "load_report", "main"]
 
 DEFAULT_LATENCY_THRESHOLD_STEPS = 2
+
 
 
 class ReportError(ValueError):
@@ -88,16 +92,39 @@ class DiffResult:
     unchanged: int = 0  # scenarios in both runs that are in none of the categories above
     base_interrupted: dict | None = None  # the run-level record of an interrupted run
     run_interrupted: dict | None = None
+    # New failures that disagreed with themselves when RUN's side ran them again (`confirm`):
+    # not regressions, failing the gate only under `flaky_fails` (`--flaky fail`).
+    flaky: tuple[Change, ...] = ()
+    flaky_fails: bool = False
+    confirmations: dict = field(default_factory=dict)  # scenario -> canaries.confirm.Confirmation
 
     @property
     def regressed(self) -> bool:
-        """True iff some scenario passed in BASE and fails in RUN."""
-        return bool(self.new_failures)
+        """True iff some scenario passed in BASE and fails in RUN (every time RUN's side ran it
+        again, when it did), or a flaky one does and the flaky policy fails them."""
+        return bool(self.new_failures) or (self.flaky_fails and bool(self.flaky))
+
+    def confirm(self, reruns: int, rerun: Callable[[Sequence[str], int], Mapping[str, Any]],
+                flaky: str = "warn") -> DiffResult:
+        """This diff once each new failure ran `reruns` more times on RUN's side (`rerun`: names
+        and attempt -> records by name): one that passed on a rerun is flaky, not a new failure
+        (canaries/confirm.py); `flaky` "fail" makes flaky ones fail the gate too."""
+        from canaries.confirm import confirm
+
+        names = [c.scenario for c in self.new_failures]
+        first_before = {c.scenario: {"verdict": c.base_verdict, "passed": c.base_passed} for c in self.new_failures}
+        first_after = {c.scenario: {"verdict": c.run_verdict, "passed": c.run_passed} for c in self.new_failures}
+        confirmations = confirm(names, first_before, first_after, reruns, rerun_after=rerun) if reruns > 0 else {}
+        disagreed = {name for name, c in confirmations.items() if c.flaky}
+        held = tuple(c for c in self.new_failures if c.scenario not in disagreed)
+        shaky = tuple(c for c in self.new_failures if c.scenario in disagreed)
+        return replace(self, new_failures=held, flaky=self.flaky + shaky, flaky_fails=flaky == "fail",
+                       confirmations={**self.confirmations, **confirmations})
 
     @property
     def changed(self) -> bool:
         return any((self.new_failures, self.fixed, self.changed_verdict, self.changed_detector,
-                    self.changed_latency, self.added, self.removed))
+                    self.changed_latency, self.added, self.removed, self.flaky))
 
     def new_failures_by_signature(self) -> dict[str, list[Change]]:
         """RUN's signature -> the new failures with it, largest group first."""
@@ -124,6 +151,9 @@ class DiffResult:
             "unchanged": self.unchanged,
             "base_interrupted": self.base_interrupted,
             "run_interrupted": self.run_interrupted,
+            "flaky": [c.to_dict() for c in self.flaky],
+            "flaky_fails": self.flaky_fails,
+            "confirmations": {name: c.to_dict() for name, c in self.confirmations.items()},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -136,7 +166,10 @@ class DiffResult:
                 lines.append(f"note: {which} was interrupted: {rec.get('summary', rec)}")
         if self.regressed:
             lines.append(f"REGRESSED: {len(self.new_failures)} scenario(s) passed in BASE and "
-                         "fail in RUN")
+                         "fail in RUN" + (f", {len(self.flaky)} flaky (--flaky fail)" if self.flaky_fails
+                                          and self.flaky else ""))
+        elif self.flaky:
+            lines.append(f"no regression; {len(self.flaky)} FLAKY scenario(s) (--flaky fail makes them fail)")
         elif not self.changed:
             lines.append(f"no change ({self.unchanged} scenario(s) compared)")
         else:
@@ -149,6 +182,12 @@ class DiffResult:
                 for c in changes:
                     lines.append(f"    {c.scenario}: {c.base_verdict} -> {c.run_verdict}: "
                                  f"{c.run_reason}")
+        if self.flaky:
+            lines.append("")
+            lines.append(f"FLAKY ({len(self.flaky)}): passed in BASE, failed in RUN, then disagreed with "
+                         "themselves when run again:")
+            lines.extend(f"  {c.scenario}: {self.confirmations[c.scenario].describe('BASE', 'RUN')}"
+                         if c.scenario in self.confirmations else f"  {c.scenario}" for c in self.flaky)
         sections = (("fixed", self.fixed, lambda c: f"{c.base_verdict} -> {c.run_verdict}"),
                     ("changed verdict (same pass state)", self.changed_verdict,
                      lambda c: f"{c.base_verdict} -> {c.run_verdict} ({c.base_signature} -> "

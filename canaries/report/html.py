@@ -716,14 +716,20 @@ def _summary_html(scenarios: list[_Scenario]) -> str:
                          f'"{str(passed).lower()}">{_badge(v, passed)} {len(scs)}{note}</span>')
         return " ".join(items)
 
-    n_fail = sum(not sc.passed for sc in scenarios)
-    fails = [sc for sc in scenarios if not sc.passed]
+    harness = [sc for sc in scenarios if sc.record.get("cause") == "harness"]
+    fails = [sc for sc in scenarios if not sc.passed and sc not in harness]
     passes = [sc for sc in scenarios if sc.passed]
+    n_fail = len(fails)
     out = ['<section id="summary"><h2>Summary</h2>',
-           f'<p><b>{len(scenarios) - n_fail} of {len(scenarios)} passed</b>'
-           + (f", <b class=\"failtext\">{n_fail} failed</b>" if n_fail else "") + ".</p>"]
+           f'<p><b>{len(passes)} of {len(scenarios)} passed</b>'
+           + (f", <b class=\"failtext\">{n_fail} failed</b>" if n_fail else "")
+           + (f", {len(harness)} not judged (the harness failed)" if harness else "") + ".</p>"]
     if fails:
         out.append(f'<p class="counts">failed: {counts(fails, False)}</p>')
+    if harness:
+        links = ", ".join(f'<a href="#{sc.anchor}">{_e(sc.name)}</a>' for sc in harness)
+        out.append(f'<p class="counts harness">not judged, the harness failed (cause: harness, after '
+                   f"retries; no verdict on the engine): {links}</p>")
     if passes:
         out.append(f'<p class="counts">passed: {counts(passes, True)}</p>')
     fails = [sc for sc in scenarios if not sc.passed]
@@ -848,6 +854,10 @@ def diff_html(diff: DiffResult, anchors: dict[str, str] | None = None) -> str:
                    for c in changes)
         out.append("</ul>")
 
+    simple(f"FLAKY: passed in the base run, failed here, then disagreed with itself when run again "
+           f"({'fails' if diff.flaky_fails else 'does not fail'} the gate)", "diff-flaky", diff.flaky,
+           lambda c: _e(diff.confirmations[c.scenario].describe("base", "this run"))
+           if c.scenario in diff.confirmations else _badge(c.run_verdict, False))
     simple("Fixed", "diff-fixed", diff.fixed, lambda c: f"{_badge(c.base_verdict, False)} &rarr; "
            f"{_badge(c.run_verdict, True)}")
     simple("Changed verdict (same pass state)", "diff-changed-verdict", diff.changed_verdict,

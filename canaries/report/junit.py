@@ -50,6 +50,8 @@ def write_junit(
         props = ET.SubElement(case, "properties")
         for key in ("verdict", "signature", "seed"):
             ET.SubElement(props, "property", name=key, value=str(r.get(key, "")))
+        if r.get("cause"):  # the harness failed, not the engine: no verdict on it
+            ET.SubElement(props, "property", name="cause", value=str(r["cause"]))
         if not r.get("passed", False):
             verdict = str(r.get("verdict", "?"))
             message = f"{verdict}: {r.get('reason', '')}"
@@ -58,7 +60,8 @@ def write_junit(
                 errors += 1
             else:
                 failures += 1
-            el = ET.SubElement(case, tag, message=message, type=verdict)
+            el = ET.SubElement(case, tag, message=message,
+                               type=f"{verdict} ({r['cause']})" if r.get("cause") else verdict)
             el.text = message
     tests = len(rows)
     if interruption is not None:

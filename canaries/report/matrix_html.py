@@ -14,7 +14,7 @@ body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}
 th{background:#f3f3f3;position:sticky;top:0}
 td.same{background:#eef8ee}td.known{background:#fff6d9}td.unexplained{background:#fbd5d5;font-weight:bold}
-td.native{background:#f6f6f6}.fail{text-decoration:line-through}.gate-fail{color:#a00}.gate-pass{color:#070}
+td.native{background:#f6f6f6}td.harness{background:#e8e8f8;font-style:italic}li.flaky{color:#a60}.fail{text-decoration:line-through}.gate-fail{color:#a00}.gate-pass{color:#070}
 small{color:#666}th small{display:inline-block;max-width:24em;word-break:break-all}
 """
 
@@ -26,6 +26,12 @@ def _cell(cell: Any) -> str:
     dets = escape(", ".join(cell.detectors))
     title = escape(cell.reason or cell.status, quote=True)
     return f'<td class="{cell.status}" title="{title}">{verdict}<br><small>{dets}</small></td>'
+
+
+def _confirmed(g: Any, name: str) -> str:
+    """What the gate's reruns of `name` gave on each column (empty when it was not rerun)."""
+    c = g.confirmations.get(name)
+    return f"({c.describe(g.last, g.candidate)})" if c is not None else ""
 
 
 def matrix_html(result: Any) -> str:
@@ -49,9 +55,11 @@ def matrix_html(result: Any) -> str:
     if result.gate is not None:
         g = result.gate
         cls, word = ("gate-pass", "PASS") if g.ok else ("gate-fail", "FAIL")
-        items = "".join(f"<li>regression: <b>{escape(n)}</b></li>" for n in g.regressions)
+        items = "".join(f"<li>regression: <b>{escape(n)}</b> {escape(_confirmed(g, n))}</li>" for n in g.regressions)
         items += "".join(f"<li>fixed: {escape(n)}</li>" for n in g.fixed)
-        items += "".join(f"<li>timing-dependent, not judged: {escape(n)}</li>" for n in g.timing)
+        items += "".join(f"<li class=flaky>FLAKY ({'fails' if g.flaky_fails else 'does not fail'} the gate): "
+                         f"<b>{escape(n)}</b> {escape(_confirmed(g, n))}</li>" for n in g.flaky)
+        items += "".join(f"<li>not judged, the harness failed a cell: {escape(n)}</li>" for n in g.harness)
         gate = f'<h2 class="{cls}">Gate {escape(g.last)} &rarr; {escape(g.candidate)}: {word}</h2><ul>{items}</ul>'
     side = "servers" if result.runtime == "sglang-server" else "memory paths"
     return (f"<!doctype html><meta charset=utf-8><title>Release matrix</title><style>{_STYLE}</style>"

@@ -17,8 +17,8 @@ import threading
 from types import FrameType
 from typing import Any, Protocol
 
-__all__ = ["SignalLatch", "install_sigterm_handler", "register", "registered", "stop_all",
-           "unregister"]
+__all__ = ["SignalLatch", "Stopping", "install_sigterm_handler", "register", "registered", "set_stopping",
+           "stop_all", "stopping", "unregister"]
 
 
 class _Stoppable(Protocol):
@@ -27,11 +27,36 @@ class _Stoppable(Protocol):
 
 _LIVE: set[_Stoppable] = set()
 _LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+class Stopping(RuntimeError):
+    """The run is being stopped (Ctrl-C, SIGTERM): an engine that registers now was stopped at once."""
+
+
+def set_stopping(on: bool) -> None:
+    """Mark the run as stopping (an interrupt), or as running again (a new run begins)."""
+    if on:
+        _STOPPING.set()
+    else:
+        _STOPPING.clear()
+
+
+def stopping() -> bool:
+    """Whether the run is being stopped: whatever starts now is stopped at once."""
+    return _STOPPING.is_set()
 
 
 def register(runtime: _Stoppable) -> None:
+    """A runtime whose engine runs. While the run is stopping (`set_stopping`), an engine that
+    registers (one whose start was under way at the interrupt) is stopped at once and `Stopping`
+    is raised into its start: nothing started after a Ctrl-C runs on."""
     with _LIVE_LOCK:
         _LIVE.add(runtime)
+    if _STOPPING.is_set():
+        with contextlib.suppress(Exception):
+            runtime.stop(timeout=1.0)
+        raise Stopping("the run is stopping: an engine that started meanwhile was stopped at once")
 
 
 def unregister(runtime: _Stoppable) -> None:
@@ -45,10 +70,18 @@ def registered() -> list[_Stoppable]:
 
 
 def stop_all(timeout: float = 5.0) -> None:
-    """Stop every engine and container still running."""
-    for runtime in registered():
+    """Stop every engine and container still running, all at once (one thread each: a matrix's
+    columns and their oracles' clean servers are many, and each stop waits a little)."""
+    def stop(runtime: _Stoppable) -> None:
         with contextlib.suppress(Exception):
             runtime.stop(timeout=timeout)
+
+    threads = [threading.Thread(target=stop, args=(runtime,), name="canary-stop", daemon=True)
+               for runtime in registered()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 atexit.register(stop_all)

@@ -26,6 +26,7 @@ from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
 from canaries.server.knobs import knob_env, knob_refusals
 from canaries.server.launch import ServerLaunch, import_env, plugin_pythonpath
+from canaries.server.lockstep import GATE_ENV, GateNotes
 from canaries.server.model import ServerModel
 from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
@@ -40,6 +41,7 @@ FORK_PARENT = "canaries.server.fork_parent"
 # How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
 # it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
 IDLE_PASS_WAIT_S = 3.0
+GATE_FILE = "gate.jsonl"  # a run's lockstep gate file (the driver's plan and notes)
 READY_POLL_S = 0.05  # a warm server is ready in 1-2 s: a coarser poll is a large share of that
 
 
@@ -139,6 +141,7 @@ class SGLangServer:
         self.extra_env: dict[str, str] = {}  # what `start` added (SGLang's knobs among them)
         self._events_read = 0  # how far `crashed` has read the event log
         self._crash_seen = False
+        self._stopped = False  # its group was stopped and is gone
 
     def start(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None = None) -> str:
         """Launch the server and return its base URL once /ready answers 200.
@@ -155,8 +158,8 @@ class SGLangServer:
                 # a loaded machine (`_freeze_gc_after_server_warmup`'s 10-second POST, then exit
                 # 3) with its scheduler alive: a new start, not a failed run. A scheduler that
                 # died by a check of its own is the engine's verdict and is not retried.
-                retry = "address already in use" in str(exc) or (
-                    "exited with" in str(exc) and not self.crashed())
+                retry = not safety.stopping() and ("address already in use" in str(exc) or (
+                    "exited with" in str(exc) and not self.crashed()))
                 if attempt == PORT_ATTEMPTS or not retry:
                     raise
                 self.stop()
@@ -174,6 +177,7 @@ class SGLangServer:
     def _start_once(self, run_dir: str | os.PathLike, extra_env: dict[str, str] | None) -> str:
         if self.proc is not None:
             raise RuntimeError("this server was already started")
+        self._stopped = False
         run_dir = Path(run_dir).resolve()
         model_dir = ServerModel.of(self.config).write(run_dir / "model")
         self.launch = ServerLaunch(self.config, model_dir, _free_port(), self.device)
@@ -225,8 +229,11 @@ class SGLangServer:
             proc = self.proc
             if proc is None:
                 return None
+            if self._stopped:  # its group is gone, and its pid may be another's by now
+                return self._exit_code
             try:
-                self.stopped_at_idle = (proc.poll() is None and not self.crashed()
+                # A run being stopped (Ctrl-C) judges nothing: no wait for the idle checks.
+                self.stopped_at_idle = (proc.poll() is None and not self.crashed() and not safety.stopping()
                                         and self._idle_pass_after(IDLE_PASS_WAIT_S))
                 # A dead scheduler (the launcher's SIGQUIT handler then sleeps 5 s before its
                 # diagnostics), or one whose idle checks ran after the workload, goes by SIGKILL
@@ -247,6 +254,7 @@ class SGLangServer:
                     proc.wait(5)
                 _wait_group_gone(proc.pid, 10.0)
                 self._exit_code = 0 if self.stopped_at_idle else proc.returncode
+                self._stopped = True
             finally:
                 if self._log_file is not None:
                     with contextlib.suppress(OSError):
@@ -343,8 +351,8 @@ class ServerUnsupported(RuntimeError):
     names it (the run is then INCONCLUSIVE with that reason, never silently skipped)."""
 
 
-# Engine knobs of a spec the server does not take: the harness's lockstep gate (SGLang's
-# scheduler admits as requests arrive), the device (the runtime's own), the memory backend.
+# Engine knobs of a spec the server does not take: our engine's lockstep gate (the server's is the
+# plugin's, fed by the driver's notes), the device (the runtime's own), the memory backend.
 _HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device", "memory")
 
 
@@ -419,7 +427,8 @@ class SGLangServerRuntime:
     # taken over a minute here.
     stall_s = 240.0
     poll_s = 0.25  # a dead scheduler is seen (and its launcher ended) within this
-    # No lockstep gate on SGLang's server: a planned hang-up streams and closes the connection.
+    # A planned hang-up streams and closes the connection (the lockstep gate in SGLang's scheduler
+    # waits for the disconnect's abort before the next pass).
     hang_up_by = "stream"
 
     def __init__(self, *, ready_timeout: float = READY_TIMEOUT_S, python: str | os.PathLike | None = None,
@@ -446,6 +455,7 @@ class SGLangServerRuntime:
         self.start_mode: str | None = None
         # What every server of this runtime adds to its launch (a plain reference: no eviction).
         self.extra_env = dict(extra_env or {})
+        self.lockstep: GateNotes | None = None  # the driver's notes to the server's gate, once started
 
     @property
     def running(self) -> bool:
@@ -469,6 +479,12 @@ class SGLangServerRuntime:
         if spec.get("perturbations"):
             extra["CANARY_SERVER_SPEC"] = str(Path(spec_path).resolve())
         extra.update(knob_env(_perturbation_specs(spec)))  # SGLang's own knobs (`via: sglang_knob`)
+        # The lockstep gate: the driver notes its plan in this file, the plugin in SGLang's
+        # scheduler lets requests in as it says (canaries/server/lockstep.py).
+        gate = Path(run_dir).resolve() / GATE_FILE
+        gate.write_bytes(b"")
+        extra[GATE_ENV] = str(gate)
+        self.lockstep = GateNotes(gate)
         try:
             return self.server.start(run_dir, extra)
         except ServerStartError:

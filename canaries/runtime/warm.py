@@ -27,8 +27,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from canaries.runtime import safety
 from engine_stub.forkproto import SERVER_READY_LINE, ForkProtocolError, LineReader, parse_message
 
 __all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server", "has_cuda_device",
@@ -70,13 +72,15 @@ class WarmProcess:
     It reads the server's typed messages (`engine_stub.forkproto`) after the pid: the engine's
     ready line, then its exit code. Anything else is a `ForkProtocolError` naming what came."""
 
-    def __init__(self, conn: socket.socket, pid: int, reader: LineReader, lines: list[bytes]) -> None:
+    def __init__(self, conn: socket.socket, pid: int, reader: LineReader, lines: list[bytes],
+                 on_exit: Callable[[WarmProcess], None] | None = None) -> None:
         self._conn = conn
         self.pid = pid
         self.returncode: int | None = None
         self.ready_line: str | None = None
         self._reader = reader
         self._lock = threading.Lock()
+        self._on_exit = on_exit  # the server's: it counts its live engines
         self._take(lines)
 
     def __del__(self) -> None:
@@ -93,6 +97,7 @@ class WarmProcess:
             elif kind == "exit":
                 self.returncode = int(value)  # type: ignore[arg-type]
                 self._conn.close()  # the server sends nothing after the exit code
+                self._exited()
             else:
                 raise ForkProtocolError(f"engine pid {self.pid}: unexpected {kind!r} message after "
                                         f"its pid: {raw!r}")
@@ -112,9 +117,15 @@ class WarmProcess:
             self._conn.close()
             if self.returncode is None:
                 self.returncode = -9  # the server itself died: its engines died with it
+                self._exited()
             return False
         self._take(self._reader.feed(chunk))
         return True
+
+    def _exited(self) -> None:
+        on_exit, self._on_exit = self._on_exit, None
+        if on_exit is not None:
+            on_exit(self)
 
     def wait_ready(self, timeout: float) -> str | None:
         """The engine's ready line, or None if it exited or `timeout` passed first."""
@@ -165,13 +176,18 @@ class ForkServer:
         env[PRELOAD_ENV] = ",".join(self.preload)
         env.update(dict(env_overrides))
         self.log_path = self._dir / "forkserver.log"
+        # Engines forked and not yet seen exit, and whether the server is retired (no new fork;
+        # closed once the last of them has exited).
+        self._children: set[WarmProcess] = set()
+        self._children_lock = threading.Lock()
+        self._retired = False
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", self.module, self.socket_path],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, cwd=self._dir,  # see LocalRuntime.start: no shadowing
             )
-        line = _readline(self.proc.stdout, SERVER_READY_TIMEOUT_S).strip()
+        line = self._ready_line()
         if line != SERVER_READY_LINE:
             self.close(keep_log=True)
             if line.startswith("engine_stub forkserver ready"):
@@ -180,6 +196,20 @@ class ForkServer:
                                          f"{SERVER_READY_LINE!r})")
             raise RuntimeError(f"the engine fork server did not start (got {line!r}); "
                                f"its log: {self.log_path}")
+
+    def _ready_line(self) -> str:
+        """The server's first line (its imports take seconds); given up at once when the run is
+        stopping (Ctrl-C): then the half-started server is closed and `safety.Stopping` raised."""
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if safety.stopping():  # it holds no engine yet: killed, not waited for
+                self.proc.kill()
+                self.close()
+                raise safety.Stopping("the run is stopping: a fork server being started was killed")
+            readable, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if readable:
+                return self.proc.stdout.readline().decode("utf-8", "replace").strip()
+        return ""
 
     @property
     def alive(self) -> bool:
@@ -218,10 +248,36 @@ class ForkServer:
         except BaseException:
             conn.close()
             raise
-        return WarmProcess(conn, int(value), reader, lines[1:])  # type: ignore[arg-type]
+        proc = WarmProcess(conn, int(value), reader, lines[1:], on_exit=self._child_exited)  # type: ignore[arg-type]
+        with self._children_lock:
+            if proc.returncode is None:
+                self._children.add(proc)
+        return proc
+
+    def _child_exited(self, proc: WarmProcess) -> None:
+        with self._children_lock:
+            self._children.discard(proc)
+            last = self._retired and not self._children
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        """Fork nothing more; close once every engine forked so far has exited (at once if none
+        is alive). An engine another part of the harness started from this server (a clean server
+        of the oracle, beside another column's) lives until its own stop."""
+        with self._children_lock:
+            self._retired = True
+            idle = not self._children
+            if not idle:
+                with _RETIRED_LOCK:
+                    _RETIRED.add(self)
+        if idle:
+            self.close()
 
     def close(self, keep_log: bool = False) -> None:
         """Stop the server; it kills whatever engines it still has."""
+        with _RETIRED_LOCK:
+            _RETIRED.discard(self)
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -249,14 +305,11 @@ def engine_pythonpath(engine_root: str | os.PathLike | None, existing: str | Non
     return os.pathsep.join(dict.fromkeys(p for p in parts if p))
 
 
-def _readline(stream, timeout: float) -> str:
-    readable, _, _ = select.select([stream], [], [], timeout)
-    return stream.readline().decode("utf-8", "replace") if readable else ""
-
-
 _ServerKey = tuple[str, "str | None", tuple[str, ...], str, tuple[tuple[str, str], ...]]
 _SERVERS: dict[_ServerKey, ForkServer] = {}
+_RETIRED: set[ForkServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
 _SERVER_LOCK = threading.Lock()
+_RETIRED_LOCK = threading.Lock()
 
 
 def _key(python: str | None, engine_root: str | os.PathLike | None, preload: tuple[str, ...] = (),
@@ -278,18 +331,23 @@ def fork_server(python: str | None = None, engine_root: str | os.PathLike | None
             server.close()
             server = None
         if server is None:
+            if safety.stopping():  # a Ctrl-C: no new fork server (seconds of imports) for nothing
+                raise safety.Stopping("the run is stopping: no fork server is started")
             server = _SERVERS[key] = ForkServer(*key)
         return server
 
 
 def close_fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
-    """Stop the fork servers of (`python`, `engine_root`), if any run (e.g. a mutant's, when
-    its scenarios are done)."""
+    """Retire the fork servers of (`python`, `engine_root`), if any run (e.g. a mutant's, when
+    its scenarios are done, or a matrix column's): the next `fork_server` call starts a new one,
+    and each retired server stops once the engines it forked have exited. Engines of it that
+    others still use are never killed under them (a column that ends while another column's
+    oracle has a clean server of the same release running)."""
     want = _key(python, engine_root)[:2]
     with _SERVER_LOCK:
         servers = [_SERVERS.pop(key) for key in list(_SERVERS) if key[:2] == want]
     for server in servers:
-        server.close()
+        server.retire()
 
 
 def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None,
@@ -306,8 +364,8 @@ def prestart(python: str | None = None, engine_root: str | os.PathLike | None = 
 
 @atexit.register
 def _close_servers() -> None:
-    with _SERVER_LOCK:
-        servers = list(_SERVERS.values())
+    with _SERVER_LOCK, _RETIRED_LOCK:
+        servers = [*_SERVERS.values(), *_RETIRED]
         _SERVERS.clear()
     for server in servers:
         server.close()

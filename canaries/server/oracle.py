@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerAnswerOracle", "ServerOracle", "ServerReference", "mismatches"]
+__all__ = ["CleanServerFailed", "ServerAnswerOracle", "ServerOracle", "ServerReference", "mismatches"]
 
 # Past any context length the suite configures: a plain reference never slides a window.
 _NO_EVICTION_INTERVAL = 1 << 20
@@ -85,6 +85,11 @@ class ServerReference:
         return {"label": self.label, "python": self.python, "plain": self.plain, "describe": self.describe()}
 
 
+class CleanServerFailed(RuntimeError):
+    """The clean server answered a planned request with an HTTP error: the release's own
+    behaviour (no reference answer), not a failure of the harness."""
+
+
 def mismatches(reference: dict[str, list[int]], responses: Sequence[dict]) -> list[dict]:
     """Answers that differ from the reference's for the same rid (a failed request is the
     verdict's business, not the oracle's)."""
@@ -119,6 +124,12 @@ class ServerOracle:
         responses = compute()
         # A request planned to fail (a 400) or to be hung up on has no answer to hold others to.
         failed = [r for r in responses if r.get("output_ids") is None and r.get("expect_status", 200) == 200]
+        answered = [r for r in failed if r.get("status") is not None and not r.get("hang")]
+        if answered:
+            first = answered[0]
+            raise CleanServerFailed(f"the reference server (the release's own) answered "
+                                    f"{', '.join(r['rid'] for r in answered[:5])} with HTTP {first['status']} "
+                                    f"({str(first.get('error') or '')[:300]})")
         if failed:
             raise RuntimeError(f"the reference server did not answer {', '.join(r['rid'] for r in failed[:5])} "
                                f"({failed[0].get('error') or failed[0].get('status')}): no oracle")
@@ -135,6 +146,7 @@ def clean_answers(reference: ServerReference, spec: dict, plan: list[Any], run_d
     """`reference`'s clean answers (by rid) to `plan` for `spec`'s engine section, cached in
     `<report>/.server-oracle/` (RuntimeError if the reference server did not answer)."""
     from canaries.driver import drive
+    from canaries.runner import cancelled
     from canaries.runtime.sglang_server import READY_TIMEOUT_S, SGLangServerRuntime
 
     clean_spec = {**spec, "engine": reference.engine(spec.get("engine") or {}), "perturbations": []}
@@ -148,9 +160,11 @@ def clean_answers(reference: ServerReference, spec: dict, plan: list[Any], run_d
         clean_path.write_text(json.dumps(clean_spec, indent=2, default=str) + "\n", encoding="utf-8")
         clean = SGLangServerRuntime(ready_timeout=READY_TIMEOUT_S, python=reference.python,
                                     extra_env=reference.env())
+        if cancelled():
+            raise RuntimeError("the run was interrupted before the reference server started")
         try:
             return drive(clean.start(clean_path, clean_dir), workload, seed, patience, plan=plan,
-                         progress=clean.progress, hang_up_by=clean.hang_up_by)
+                         progress=clean.progress, hang_up_by=clean.hang_up_by, lockstep=clean.lockstep)
         finally:
             clean.stop()
 
@@ -172,6 +186,9 @@ class ServerAnswerOracle:
         self._answers: dict[str, list[int]] | None = None
         self._mismatches: list[dict] = []
         self._error: str | None = None
+        # The reference server answered the plan with an HTTP error (CleanServerFailed): no
+        # reference, and the release's behaviour, not a harness failure.
+        self.no_oracle: str | None = None
         self._judged = False
         self._thread: threading.Thread | None = None
         if self._control:
@@ -181,6 +198,8 @@ class ServerAnswerOracle:
     def _compute(self) -> None:
         try:
             self._answers = clean_answers(*self._args)
+        except CleanServerFailed as exc:
+            self.no_oracle = str(exc)
         except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
             self._error = f"the reference's answers failed: {type(exc).__name__}: {exc}"
 
@@ -198,7 +217,7 @@ class ServerAnswerOracle:
         except (OSError, ValueError):
             events = []
         if any(detector_of(e) is not None or e.get("kind") == "crash" for e in events):
-            self._error = None  # a detector fired or the engine died: the verdict rests on that
+            self._error = self.no_oracle = None  # a detector fired or the engine died: the verdict rests on that
             return
         if self._perturbed and not self._control:
             self._compute()
@@ -217,11 +236,13 @@ class ServerAnswerOracle:
     def record(self) -> dict[str, Any] | None:
         """What a verdict records of the oracle: the reference, whether it judged, and for a
         perturbed run the answers that differed (the damage was read), or its failure."""
-        if not self._judged and self._error is None:
+        if not self._judged and self._error is None and self.no_oracle is None:
             return None
         out: dict[str, Any] = {"reference": self.reference.to_dict(), "judged": self._judged}
         if self._perturbed and not self._control:
             out["differs"] = [{k: m[k] for k in ("rid", "first_diff")} for m in self._mismatches]
         if self._error is not None:
             out["error"] = self._error
+        if self.no_oracle is not None:
+            out["no_oracle"] = self.no_oracle
         return out

@@ -9,7 +9,8 @@ appends what they report to the event log `CANARY_SERVER_EVENT_LOG` names, one J
 flushed and fsynced before the record's own handlers run on (a crash that follows loses nothing).
 Nothing here raises into SGLang: a handler that fails is logging's own error.
 
-With a scenario's spec (`CANARY_SERVER_SPEC`) it also arms the perturbations: before each batch
+With a gate file (`CANARY_SERVER_GATE`) requests enter the scheduler as the driver's plan says
+(canaries/server/lockstep.py). With a scenario's spec (`CANARY_SERVER_SPEC`) it also arms the perturbations: before each batch
 the before_step site, and through `site_hooks` the other sites, wrapped into SGLang's
 `mem_cache/common.py`, its unified cache's SWA component and its `Scheduler` as each is imported.
 """
@@ -24,7 +25,7 @@ import time
 import weakref
 from types import ModuleType
 
-from canaries.server import site_hooks
+from canaries.server import lockstep, site_hooks
 from canaries.server.import_hooks import after_import
 from canaries.server.knobs import KNOB_INDEX_ENV, landing_of_line
 from canaries.server.log_events import events_of_record
@@ -43,6 +44,8 @@ IDLE_ENV = "CANARY_SERVER_IDLE"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 MEMORY_COMMON_MODULE = "sglang.srt.mem_cache.common"
 SWA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.swa"
+RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
+SENDER_MODULE = "sglang.srt.managers.scheduler_components.output_sender"
 _LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
 
 
@@ -108,6 +111,7 @@ def _watch(scheduler_class: type) -> None:
                        "config": {"invariant_check": handler._level.lower()}})
         original(self, *args, **kwargs)
         _arm_census(self, handler)
+        lockstep.attach(handler.write, handler.step)  # requests enter as the plan says (canaries/server/lockstep.py)
         if os.environ.get(SPEC_ENV):
             _arm(self, os.environ[SPEC_ENV], handler.write)
 
@@ -265,4 +269,6 @@ def install(always: bool = False) -> None:
     if always or os.environ.get(EVENT_LOG_ENV):
         after_import(MEMORY_COMMON_MODULE, _hook_memory_common)
         after_import(SWA_COMPONENT_MODULE, _hook_swa_component)
+        after_import(RECEIVER_MODULE, lambda module: lockstep.hook_receiver(module.SchedulerRequestReceiver))
+        after_import(SENDER_MODULE, lambda module: lockstep.hook_sender(module.SenderWrapper))
         after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ReproError", "ReproResult", "repro"]
+__all__ = ["ReproError", "ReproResult", "repro", "rerun_report"]
 
 
 class ReproError(ValueError):
@@ -94,3 +94,25 @@ def repro(run_dir: str | Path, out_dir: str | Path | None = None) -> ReproResult
     difference = _first_difference(original, rerun)
     return ReproResult(run_dir, rerun_dir, verdict.get("verdict", "?"), record.verdict,
                        verdict.get("signature", ""), record.signature, difference is None, difference)
+
+
+def rerun_report(report: str | Path, names: list[str], out_dir: str | Path) -> dict[str, Any]:
+    """Run the named scenarios of a run report again as they ran there (each run dir's scenario
+    file, runtime, device, memory backend and interpreter), into `out_dir`; records by name.
+    ReproError for a name whose run dir cannot be rerun."""
+    from canaries.runner import run_many
+
+    groups: dict[tuple, list] = {}
+    for name in names:
+        scenario, verdict = _load(Path(report) / name)
+        extra = verdict.get("extra", {})
+        memory = extra.get("memory")
+        key = (extra.get("runtime", "local"), extra.get("device"), None if memory == "native" else memory,
+               extra.get("engine_python"))
+        groups.setdefault(key, []).append(scenario)
+    records: dict[str, Any] = {}
+    for (runtime, device, memory, python), scenarios in groups.items():
+        for record in run_many(scenarios, Path(out_dir), runtime=runtime, device=device, memory=memory,
+                               engine_python=python, progress=False):
+            records[record.scenario] = record
+    return records

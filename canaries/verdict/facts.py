@@ -27,7 +27,8 @@ class Facts:
     | survived | killed | timeout | running | exited:<code>. firings: one record per firing.
     fired: every detector that fired at all; early: those that fired before the first landing;
     detected: detector -> its first latency at or after the landing (right bucket);
-    wrong_bucket: detector -> the bucket it fired with, when not the catalogue's."""
+    wrong_bucket: detector -> the bucket it fired with, when not the catalogue's. lost: requests
+    whose connection went away without an answer from an engine that did not crash."""
 
     scenario: Scenario
     obs: Observation
@@ -47,6 +48,7 @@ class Facts:
     # Why the suite's census could not read the engine's state (SGLang's server: a release whose
     # objects lack what it reads, canaries/server/census.py), or None where it ran or needs none.
     census_unreadable: str | None = None
+    lost: tuple[str, ...] = ()  # rids whose connection was lost by an engine that did not crash
 
     @property
     def expect(self) -> Expect:
@@ -77,6 +79,25 @@ def _engine_outcome(obs: Observation, crash: dict | None, shutdown: bool) -> str
     if obs.exit_code < 0:
         return "killed"
     return f"exited:{obs.exit_code}"
+
+
+# What a request's record says when its connection went away with no answer (the driver's
+# `_exchange_failed`: the exception's type first).
+_LOST = ("RemoteDisconnected", "ConnectionRefusedError", "ConnectionResetError", "BrokenPipeError",
+         "ConnectionAbortedError", "IncompleteRead")
+# Signals by which an engine dies of its own fault: a lost connection then is the engine's.
+_CRASH_SIGNALS = (4, 6, 7, 8, 11)  # SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV
+
+
+def _lost(obs: Observation, crash: dict | None) -> tuple[str, ...]:
+    """Requests that got no answer because their connection went away, from an engine that
+    neither logged a crash nor died by a crash signal: the harness lost them (a process killed
+    under the run, a fork parent gone), not the engine under test."""
+    if crash is not None or (obs.exit_code is not None and -obs.exit_code in _CRASH_SIGNALS):
+        return ()
+    return tuple(str(r.get("rid")) for r in obs.responses
+                 if r.get("status") is None and not r.get("hang")
+                 and str(r.get("error") or "").startswith(_LOST))
 
 
 def facts_of(s: Scenario, obs: Observation) -> Facts:
@@ -128,4 +149,5 @@ def facts_of(s: Scenario, obs: Observation) -> Facts:
         died=tuple(e for e in events if e.get("kind") == "perturbation_died"),
         census_unreadable=next((str(e.get("reason")) for e in events
                                 if e.get("kind") == "census" and e.get("unreadable")), None),
+        lost=_lost(obs, crash),
     )

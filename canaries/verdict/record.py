@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["EXIT_CANARY", "EXIT_CLEAN", "EXIT_ERROR", "EXIT_INVARIANT", "Observation",
+__all__ = ["EXIT_CANARY", "EXIT_CLEAN", "EXIT_ERROR", "EXIT_INVARIANT", "HARNESS", "Observation",
            "VerdictRecord", "detector_of"]
+
+HARNESS = "harness"  # a record's `cause` when the harness failed, not the engine
 
 # Engine exit codes.
 EXIT_CLEAN, EXIT_ERROR, EXIT_INVARIANT, EXIT_CANARY = 0, 1, 3, 4
@@ -19,9 +21,12 @@ class Observation:
     events: the engine's event log (dicts). responses: one dict per request, with `rid` and
     `status` (HTTP status; absent means 200) and optionally `error`. exit_code: the engine's exit
     status (negative: killed by a signal; None: still running or unknown). oracle_mismatches: rids
-    whose output differed from the no-cache oracle (clean scenarios only). error: a harness error.
-    hang: why the workload's watchdog cut it (no engine progress, or its hard cap), with
-    `timed_out`.
+    whose output differed from the no-cache oracle (clean scenarios only). error: a harness error
+    (`unsupported`: a refusal instead, the runtime cannot run the scenario). hang: why the
+    workload's watchdog cut it (no engine progress, or its hard cap), with `timed_out`; `starved`:
+    how the machine starved the engine meanwhile (then the harness's failure). no_oracle: why
+    there is no reference answer though the harness worked (the release's own clean server did not
+    answer the plan: its behaviour, not the harness's).
     """
 
     events: list[dict]
@@ -31,6 +36,9 @@ class Observation:
     oracle_mismatches: list[str]
     error: str | None = None
     hang: str | None = None
+    unsupported: bool = False
+    starved: str | None = None
+    no_oracle: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class VerdictRecord:
     engine: dict
     expect: dict
     extra: dict = field(default_factory=dict)
+    # "harness": the harness, not the engine under test, left the run without a verdict (an
+    # oracle or start-up failure, lost connections, a stall while the machine starved the engine);
+    # such a run is INCONCLUSIVE and no verdict on the release. None: the run's verdict is the engine's.
+    cause: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,13 +3,14 @@
 Each rule is a small function `(facts) -> (verdict, reason) | None` (None: not its case, ask
 the next). In order:
 
-1. `run_told_nothing`: harness error, timeout, engine gone without a `crash` event (no
-   `shutdown` either, exit code < 0 or unknown, or any other non-zero code), or a crash with
-   cause `error` -> INCONCLUSIVE.
+1. `run_told_nothing`: harness error, timeout, lost connections (requests without an answer from
+   an engine that did not crash), engine gone without a `crash` event (no `shutdown` either,
+   exit code < 0 or unknown, or any other non-zero code), or a crash with cause `error` ->
+   INCONCLUSIVE.
 2. `clean_control`: a control: any detector fired -> FALSE_ALARM; a response not answered as
    planned (200, or the 400 a `workload.extra_requests` entry expects, and its
-   `min_cached_tokens`), a crash or an output that differs from the no-cache oracle ->
-   INCONCLUSIVE; else CLEAN.
+   `min_cached_tokens`), a crash, no oracle (the release's own clean server did not answer
+   the plan) or an output that differs from the no-cache oracle -> INCONCLUSIVE; else CLEAN.
 3. `not_injected`: some perturbation (by index) has no `perturbation_landed` event -> NOT_INJECTED.
 4. `silent_detectors`: a detector listed in `expect.silent` fired -> WRONG_DETECTOR.
 5. `alarm_before_landing`: any detector fired before the first perturbation landed -> FALSE_ALARM.
@@ -22,7 +23,9 @@ the next). In order:
 9. `crash_expectation`: `expect.engine` (crashes|survives) mismatched -> INCONCLUSIVE.
 10. `as_expected`: DISABLED_AS_DECLARED, or DETECTED with each detector's latency in steps.
 
-Then `unreached`: a MISSED whose damage nothing ever read (the engine followed every damaged
+An INCONCLUSIVE verdict whose cause is the harness's (`harness_failure`: a harness error, a stall
+while the machine starved the engine, lost connections) gets `cause: harness`: no verdict on the
+engine under test. Then `unreached`: a MISSED whose damage nothing ever read (the engine followed every damaged
 location: `perturbation_died` for each, `perturbation_consumed` for none) -> NOT_REACHED: no
 detector could have seen it, so the scenario, not a detector, is at fault. Then `blind`: where the
 suite's census could not read the engine's state (a `census` event saying so: an SGLang release
@@ -41,12 +44,12 @@ from typing import TYPE_CHECKING
 
 from canaries.scenario.fields import PASSING
 from canaries.verdict.facts import Facts, facts_of
-from canaries.verdict.record import Observation, VerdictRecord
+from canaries.verdict.record import HARNESS, Observation, VerdictRecord
 
 if TYPE_CHECKING:
     from canaries.scenario import Scenario
 
-__all__ = ["RULES", "blind", "judge", "steps_after", "unreached"]
+__all__ = ["RULES", "blind", "harness_failure", "judge", "steps_after", "unreached"]
 
 Decision = tuple[str, str]
 Rule = Callable[[Facts], "Decision | None"]
@@ -77,6 +80,9 @@ def run_told_nothing(f: Facts) -> Decision | None:
         return "INCONCLUSIVE", f"harness error: {obs.error}"
     if obs.timed_out:
         return "INCONCLUSIVE", "the run timed out" + (f": {obs.hang}" if obs.hang else "")
+    if f.lost:
+        return "INCONCLUSIVE", (f"harness error: lost connections: {len(f.lost)} request(s) got no answer "
+                                f"from an engine that did not crash: {', '.join(f.lost[:8])}")
     if crash is not None and crash.get("cause") == "error":
         return "INCONCLUSIVE", f"engine crashed with an error: {crash.get('error', '')}".strip()
     if crash is None and outcome == "killed":
@@ -114,6 +120,8 @@ def clean_control(f: Facts) -> Decision | None:
         return "INCONCLUSIVE", f"{len(bad)} request(s) not answered as planned: {rids}"
     if f.crash is not None:
         return "INCONCLUSIVE", f"engine crashed ({f.crash.get('cause')}) with no detector firing"
+    if f.obs.no_oracle:
+        return "INCONCLUSIVE", f"no oracle: {f.obs.no_oracle}"
     if f.obs.oracle_mismatches:
         return "INCONCLUSIVE", ("output differs from the no-cache oracle for rids "
                                 + ", ".join(map(str, f.obs.oracle_mismatches)))
@@ -215,6 +223,13 @@ RULES: tuple[Rule, ...] = (run_told_nothing, clean_control, not_injected, silent
                            crash_expectation)
 
 
+def harness_failure(f: Facts) -> bool:
+    """Whether the harness, not the engine under test, left the run without a verdict: a harness
+    error (not a refusal), a stall while the machine starved the engine, lost connections."""
+    obs = f.obs
+    return bool((obs.error and not obs.unsupported) or (obs.timed_out and obs.starved) or f.lost)
+
+
 def unreached(f: Facts, verdict: str, reason: str) -> Decision:
     """MISSED -> NOT_REACHED when every damage died unread (see the module docstring)."""
     if verdict != "MISSED" or f.consumed or not f.died:
@@ -273,4 +288,5 @@ def judge(s: Scenario, obs: Observation) -> VerdictRecord:
         engine=s.engine_knobs,
         expect=dataclasses.asdict(s.expect),
         extra={"crash": {k: v for k, v in f.crash.items() if k != "ts"}} if f.crash else {},
+        cause=HARNESS if verdict == "INCONCLUSIVE" and harness_failure(f) else None,
     )
