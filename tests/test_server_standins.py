@@ -155,7 +155,7 @@ def test_server_oracle_reports_answers_that_differ_from_the_clean_servers(tmp_pa
     from canaries.server.oracle import ServerOracle, mismatches
 
     plan = [SimpleNamespace(rid="r0", prompt=[1, 2], max_new_tokens=3), SimpleNamespace(rid="r1", prompt=[3], max_new_tokens=3)]
-    oracle = ServerOracle(tmp_path, {"window": 8}, plan, release="0.5.23")
+    oracle = ServerOracle(tmp_path, {"window": 8}, plan, reference="0.5.23 plain")
     calls = []
 
     def clean_run() -> list[dict]:
@@ -167,7 +167,7 @@ def test_server_oracle_reports_answers_that_differ_from_the_clean_servers(tmp_pa
     found = mismatches(reference, [{"rid": "r0", "output_ids": [5, 6, 7]}, {"rid": "r1", "output_ids": [8, 4, 10]},
                                    {"rid": "r2", "output_ids": None}])
     assert found == [{"rid": "r1", "first_diff": 1, "expected": [8, 9, 10], "got": [8, 4, 10]}]
-    assert ServerOracle(tmp_path, {"window": 16}, plan, release="0.5.23").key != oracle.key
+    assert ServerOracle(tmp_path, {"window": 16}, plan, reference="0.5.23 plain").key != oracle.key
 
 
 def test_swa_layers_read_through_the_mapping_and_full_layers_do_not() -> None:
