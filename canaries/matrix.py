@@ -104,6 +104,8 @@ def describe_provenance(prov: dict) -> str:
             head += f" at {prov['commit']}" + (" (dirty)" if prov.get("dirty") else "")
         if prov.get("py_sha256"):
             head += f", .py sha256 {prov['py_sha256']}"
+        if str(prov.get("version_from", "")).startswith("git describe"):
+            head += f", version by {prov['version_from']}"
         parts = [head]
     else:
         parts = [kind]

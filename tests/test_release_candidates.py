@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from canaries.divergences import known_divergences
-from canaries.matrix import Cell, Column, MatrixResult
+from canaries.matrix import Cell, Column, MatrixResult, describe_provenance
 from canaries.parity import load_expectations
 from canaries.releases import (
     ReleaseError,
@@ -27,6 +27,7 @@ from canaries.releases import (
 )
 from canaries.releases.diffs import diff_sections
 from canaries.releases.patches import SGLangPatch
+from canaries.releases.versions import scm_version
 from canaries.report.matrix_html import matrix_html
 
 WHEEL = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
@@ -111,6 +112,64 @@ def test_parse_git_tree_records_commit_and_dirty(tmp_path: Path) -> None:
     (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return None\n")
     dirty = spec.provenance()
     assert dirty["commit"] == prov["commit"] and dirty["dirty"] is True and len(dirty["py_sha256"]) == 64
+
+
+# A raw checkout: SGLang's own version.py (no literal), no generated _version.py.
+RAW_VERSION_PY = (
+    "try:\n    from sglang._version import __version__\nexcept ImportError:\n"
+    "    __version__ = \"0.0.0.dev0\"\n")
+
+
+def _raw_checkout(root: Path) -> Path:
+    _tree(root)
+    (root / "python" / "sglang" / "version.py").write_text(RAW_VERSION_PY)
+    (root / ".gitignore").write_text("__pycache__/\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "release")
+    return root
+
+
+def test_parse_raw_checkout_at_its_tag_takes_the_tag_version_and_records_it(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    _git(root, "tag", "v0.5.23")
+    _git(root, "tag", "gateway-v9.9.9")  # another package's tag in SGLang's repository
+    spec = ReleaseSpec.parse(str(root))
+    assert spec.base == SGLangSource("tree", "0.5.23", str(root / "python")) and spec.version == "0.5.23"
+    prov = spec.provenance()
+    node = _git(root, "rev-parse", "--short=7", "HEAD")
+    assert prov["version_from"] == f"git describe v0.5.23-0-g{node}" and prov["dirty"] is False
+    assert f"version by git describe v0.5.23-0-g{node}" in describe_provenance(prov)
+
+
+def test_parse_raw_checkout_past_its_tag_names_the_next_dev_version(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    _git(root, "tag", "v0.5.23")
+    (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return None\n")
+    _git(root, "commit", "-qam", "a fix")
+    node = _git(root, "rev-parse", "--short=7", "HEAD")
+    assert SGLangSource.parse(str(root)).version == f"0.5.24.dev1+g{node}"
+    (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return 1\n")
+    dirty = SGLangSource.parse(str(root / "python"))
+    assert dirty.version.startswith(f"0.5.24.dev1+g{node}.d") and len(dirty.version.rsplit(".d", 1)[1]) == 8
+
+
+def test_parse_raw_checkout_without_a_release_tag_says_so(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    with pytest.raises(ReleaseError, match="no sglang/_version.py .*`git describe` finds no release tag"):
+        ReleaseSpec.parse(str(root))
+
+
+@pytest.mark.parametrize(("tag", "distance", "dirty", "version"), [
+    ("v0.5.23", 0, False, "0.5.23"),
+    ("v0.5.23", 0, True, "0.5.23+d20260101"),
+    ("v0.5.23", 3, False, "0.5.24.dev3+gabc1234"),
+    ("0.5.24rc1", 2, True, "0.5.24rc2.dev2+gabc1234.d20260101"),
+    ("v0.5.23.post1", 1, False, "0.5.23.post2.dev1+gabc1234"),
+    ("gateway-v1.0", 1, False, None),
+])
+def test_scm_version_reads_a_description_as_setuptools_scm(tag, distance, dirty, version) -> None:
+    assert scm_version(tag, distance, "abc1234", dirty, "20260101") == version
 
 
 def test_parse_diffs_and_patches_on_any_base(tmp_path: Path, monkeypatch) -> None:
