@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from canaries.divergences import known_divergences
+from canaries.native_cache import NativeCache, run_native
 from canaries.parity import (
     PARITY_DIR,
     SERVER_PARITY_DIR,
@@ -160,6 +161,7 @@ class MatrixResult:
     report_dir: Path
     wall_seconds: float = 0.0  # the whole matrix (columns overlap: theirs add up to more)
     runtime: str = "local"  # local: each release's memory path under our engine; sglang-server: its server
+    native_cached: int = 0  # native scenarios taken from an earlier run of the same code (native_cache.py)
 
     @property
     def unexplained(self) -> list[tuple[str, str]]:
@@ -182,6 +184,7 @@ class MatrixResult:
             "runtime": self.runtime,
             "columns": [asdict(c) for c in self.columns],
             "native_seconds": round(self.native_seconds, 1),
+            "native_cached": self.native_cached,
             "wall_seconds": round(self.wall_seconds, 1),
             "scenarios": {name: {label: asdict(cell) for label, cell in row.items()}
                           for name, row in self.cells.items()},
@@ -195,7 +198,10 @@ class MatrixResult:
         labels = [c.label for c in self.columns]
         server = self.runtime == "sglang-server"
         lines = [f"# Release matrix: native vs SGLang's own {'server' if server else 'memory path'}", "",
-                 f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side).", "",
+                 f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side)."
+                 + (f" Native: {self.native_cached} of {len(self.cells)} scenario(s) reused from an earlier "
+                    "run of the same engine, harness and scenario (canaries/native_cache.py)."
+                    if self.native_cached else ""), "",
                  "| column | sglang | what ran | divergences | parts from SGLang | wall time |",
                  "|---|---|---|---|---|---|",
                  f"| native | - | - | - | - | {self.native_seconds:.0f}s |"]
@@ -277,13 +283,15 @@ def _memory_parts(records: Sequence[Any]) -> dict[str, str]:
 def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report_dir: str | Path, *,
                jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None, runtime: str = "local",
-               log: Callable[[str], None] = print) -> MatrixResult:
+               reuse_native: bool = True, log: Callable[[str], None] = print) -> MatrixResult:
     """Run the matrix into `report_dir`; see the module docstring.
 
     `columns_at_once` columns run side by side, each with `jobs` scenarios at once (one warm
     fork server per release); one display shows them all, each line naming its column.
     `runtime`: `local` (each release's memory path under our engine) or `sglang-server` (each
     release's own server; a patched column's server runs the patched copy).
+    `reuse_native`: take each native scenario kept from an earlier run of the same code and
+    scenario (canaries/native_cache.py), run only the others.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -336,16 +344,29 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
-        shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
+        cache = NativeCache() if reuse_native else None
+        kept = cache.kept(scenarios) if cache is not None else {}
+        shown = progress_for(len(scenarios) * (len(releases) + 1) - len(kept), jobs * columns_at_once) \
+            if progress else None
+        native_cached = 0
 
         def column(label: str) -> tuple[list, float]:
+            nonlocal native_cached
             python = None if label == "native" else str(interpreters[label][0])
             sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
             t0 = time.monotonic()
+
+            def run(selected: Sequence[Any], into: Path) -> list:
+                return run_many(selected, into, jobs=jobs, latch=latch,
+                                progress=Prefixed(f"[{label}]", shown) if shown else False,
+                                **({} if python is None else {**sglang_side, "engine_python": python}))
+
             try:
-                records = run_many(scenarios, report_dir / "runs" / file_label(label), jobs=jobs, latch=latch,
-                                   progress=Prefixed(f"[{label}]", shown) if shown else False,
-                                   **({} if python is None else {**sglang_side, "engine_python": python}))
+                if python is None:
+                    records, native_cached = run_native(scenarios, report_dir / "runs" / "native", run, cache,
+                                                        kept, log)
+                else:
+                    records = run(scenarios, report_dir / "runs" / file_label(label))
             finally:
                 if python is not None:
                     close_fork_server(python)
@@ -367,12 +388,14 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         python, diff = interpreters[spec.label]
         columns.append(Column(spec.label, spec.version, str(python), seconds, spec.patches, diff,
                               _memory_parts(records), provenance[spec.label]))
-    return _judge(columns, {label: records for label, (records, _) in done.items()}, native_seconds,
-                  report_dir, wall_seconds, runtime, last, candidate)
+    result = _judge(columns, {label: records for label, (records, _) in done.items()}, native_seconds,
+                    report_dir, wall_seconds, runtime, last, candidate, native_cached)
+    return result
 
 
 def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
-           wall_seconds: float, runtime: str, last: str | None, candidate: str | None) -> MatrixResult:
+           wall_seconds: float, runtime: str, last: str | None, candidate: str | None,
+           native_cached: int = 0) -> MatrixResult:
     """Every column's cells against the native run and its release's known divergences, the gate,
     and the three reports written into `report_dir`."""
     from canaries.report.atomic import write_atomic
@@ -393,7 +416,7 @@ def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds
                                  SERVER_DETECTORS if server else None).items():
             cells[name][column.label] = cell
     verdict = gate(last, candidate, cells) if last and candidate else None
-    result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
+    result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime, native_cached)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
     write_atomic(report_dir / "matrix.html", matrix_html(result).encode())
@@ -426,4 +449,4 @@ def rejudge_matrix(report_dir: str | Path) -> MatrixResult:
     gate_doc = doc.get("gate") or {}
     return _judge(columns, done, float(doc.get("native_seconds", 0.0)), report_dir,
                   float(doc.get("wall_seconds", 0.0)), doc.get("runtime", "local"),
-                  gate_doc.get("last"), gate_doc.get("candidate"))
+                  gate_doc.get("last"), gate_doc.get("candidate"), int(doc.get("native_cached", 0)))
