@@ -10,7 +10,9 @@ each scenario's result is kept under a key over both:
 
 in `$CANARY_CACHE_DIR` (default `~/.cache/serving-canary`)`/native/<code digest>/<key>/`: its
 verdict record (`record.json`) and its run directory (`run/`: events, engine log, responses). A
-matrix takes each scenario it finds there and runs the rest, then stores what it ran. Any edit
+matrix takes each scenario it finds there and runs the rest, then stores what it ran; a plain
+`canary run` of our engine (local runtime, no device, memory, interpreter or engine override)
+stores its results too, so that the gate's matrices after it reuse them. Any edit
 of the engine or the harness changes the code digest, so nothing is reused across code changes;
 a harness failure or an interrupted scenario is never stored. Digests not used for
 `KEEP_DAYS` are removed when a new one is stored.
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_ENV", "NativeCache", "code_digest", "run_native", "scenario_key"]
+__all__ = ["CACHE_ENV", "NativeCache", "code_digest", "run_native", "scenario_key", "store_run"]
 
 CACHE_ENV = "CANARY_CACHE_DIR"
 KEEP_DAYS = 7
@@ -51,7 +53,9 @@ def code_digest(root: Path = _ROOT) -> str:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "none"
-    digest.update(f"python {sys.version}\0torch {torch_version}".encode())
+    # The same code on a machine with a CUDA device may run a scenario's `device: auto` there.
+    cuda = any(Path("/dev").glob("nvidia[0-9]*"))
+    digest.update(f"python {sys.version}\0torch {torch_version}\0cuda {cuda}".encode())
     return digest.hexdigest()
 
 
@@ -116,6 +120,22 @@ class NativeCache:
             for other in self.dir.parent.iterdir():
                 if other != self.dir and other.is_dir() and other.stat().st_mtime < cutoff:
                     shutil.rmtree(other, ignore_errors=True)
+
+
+def store_run(scenarios: Sequence[Any], records: Sequence[Any], report_dir: Path,
+              cache: NativeCache | None = None) -> int:
+    """Keep a finished `canary run`'s results (our engine, the local runtime, no override of
+    device, memory, interpreter or engine sources: what a matrix's native column runs) for the
+    matrices that follow; how many were stored. Never raises: the run's reports are what count."""
+    try:
+        cache = cache or NativeCache()
+        by_name = {r.scenario: r for r in records}
+        stored = sum(cache.store(sc, by_name[sc.name], report_dir / sc.name)
+                     for sc in scenarios if sc.name in by_name)
+        cache.prune()
+    except Exception:  # noqa: BLE001 - a cache that cannot be written is only a slower next matrix
+        return 0
+    return stored
 
 
 def run_native(scenarios: Sequence[Any], report_dir: Path, run: Callable[[Sequence[Any], Path], list],

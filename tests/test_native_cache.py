@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.native_cache import NativeCache, code_digest, run_native, scenario_key
+from canaries.native_cache import NativeCache, code_digest, run_native, scenario_key, store_run
 from canaries.verdict.record import VerdictRecord
 
 
@@ -114,3 +114,20 @@ def test_code_digest_follows_every_engine_and_harness_source(tmp_path: Path) -> 
     (tmp_path / "canaries" / "x.py").write_text("A = 1\n")
     (tmp_path / "engine_stub" / "y.py").write_text("")
     assert code_digest(tmp_path) != before
+
+
+def test_a_library_run_stores_what_the_next_matrix_reuses(tmp_path: Path) -> None:
+    scenarios = _scenarios(tmp_path, "a", "b")
+    cache = NativeCache(tmp_path / "cache", digest="d" * 64)
+    records = _Run()(scenarios, tmp_path / "run")
+    assert store_run(scenarios, records, tmp_path / "run", cache) == 2
+    later = _Run()
+    _, cached = run_native(scenarios, tmp_path / "matrix", later, cache, log=lambda _: None)
+    assert cached == 2 and later.asked == []
+
+
+def test_store_run_never_raises_on_an_unwritable_cache(tmp_path: Path) -> None:
+    scenarios = _scenarios(tmp_path, "a")
+    (tmp_path / "cache").write_text("a file, not a directory")
+    cache = NativeCache(tmp_path / "cache", digest="d" * 64)
+    assert store_run(scenarios, _Run()(scenarios, tmp_path / "run"), tmp_path / "run", cache) == 0
