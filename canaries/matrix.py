@@ -301,7 +301,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
     from canaries.runtime.sglang_server import prestart_parent
-    from canaries.runtime.warm import close_fork_server, prestart
+    from canaries.runtime.warm import close_fork_server, prestart, register_patched_python
 
     if runtime not in ("local", "sglang-server"):
         raise ReleaseError(f"runtime {runtime!r}: local or sglang-server")
@@ -326,21 +326,32 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         for spec in releases:
             python, diff = pythons[spec.base], ""
             if spec.patches or spec.diffs:
-                python, diff = patched_interpreter(python, spec.version, spec.patches,
-                                                   Path(scratch) / file_label(spec.label), spec.diffs)
+                workdir = Path(scratch) / file_label(spec.label)
+                python, diff = patched_interpreter(python, spec.version, spec.patches, workdir, spec.diffs)
+                # Its warm parent: a fork of the base's with the patch loaded in place.
+                register_patched_python(python, pythons[spec.base], workdir / "site")
                 write_atomic(report_dir / f"patch-{file_label(spec.label)}.diff", diff.encode())
             version = engine_sglang_version(str(python))
             if not same_version(version, spec.version):
                 raise ReleaseError(f"release {spec.label}: {python} has sglang {version}")
             interpreters[spec.label] = (python, diff)
         # Each release's warm fork server imports torch and sglang (seconds; a server's parent,
-        # SGLang's server modules too): start them all now, so that a column's imports overlap
-        # the columns already running.
-        for python, _ in interpreters.values():
-            if server:
-                prestart_parent(python)
-            else:
-                prestart(str(python), None, PRELOAD["sglang"])
+        # SGLang's server modules too): each starts as the column before it in the queue starts,
+        # so that its imports overlap the columns running, and no parent waits long before its
+        # column (a patched column's is a fork of its base's).
+        newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
+        order = ["native", *(spec.label for spec in newest)]
+
+        def prestart_column(index: int) -> None:
+            if 0 < index < len(order):
+                python = interpreters[order[index]][0]
+                if server:
+                    prestart_parent(python)
+                else:
+                    prestart(str(python), None, PRELOAD["sglang"])
+
+        for index in range(1, columns_at_once + 1):
+            prestart_column(index)
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
@@ -354,6 +365,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
             nonlocal native_cached
             python = None if label == "native" else str(interpreters[label][0])
             sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
+            prestart_column(order.index(label) + columns_at_once)  # queued `columns_at_once` behind it
             t0 = time.monotonic()
 
             def run(selected: Sequence[Any], into: Path) -> list:
@@ -376,8 +388,6 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
                 ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
             # Newest releases first: older ones refuse more configurations here and finish sooner,
             # so the last columns to start are the short ones (no long tail on one column).
-            newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
-            order = ["native", *(spec.label for spec in newest)]
             runs = {label: pool.submit(column, label) for label in order}
             done = {label: future.result() for label, future in runs.items()}
         wall_seconds = time.monotonic() - started

@@ -19,6 +19,11 @@ connection and pipe of the server's.
 The server lives as long as its stdin: when the harness that started it exits, however it dies,
 the pipe closes and the server SIGKILLs every child's group before it exits, so no engine
 outlives its harness.
+
+A request with `patched_site` forks a parent for a patched copy of the release instead of an
+engine (`engine_stub.forkproto`): the child loads the patched files into itself in place
+(`engine_stub.hotpatch`), nothing imported again, and serves the same protocol on a socket of its
+own for as long as the requesting connection stays open.
 """
 
 from __future__ import annotations
@@ -69,16 +74,19 @@ class _Child:
 
 
 def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int],
-           main: Callable[[list[str]], int]) -> None:
-    """In the forked child: become a fresh-looking engine process, run `main(argv)`, never return."""
+           main: Callable[[list[str]], int], conn: socket.socket) -> None:
+    """In the forked child: become a fresh-looking engine process, run `main(argv)` (or, for a
+    `patched_site` request, serve as the patched copy's fork parent), never return."""
     code = 1
+    patched = request.get("patched_site")
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(signum, signal.SIG_DFL)
         for sock in closing:  # its own connection among them: only the server writes there
-            sock.close()
+            if not (patched and sock is conn):  # a patched parent only reads it: its lifeline
+                sock.close()
         for fd in fds:
             os.close(fd)
         log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -94,7 +102,10 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
         # The engine writes its ready line to this pipe; the server forwards it at once.
         os.environ[READY_FD_ENV] = str(ready_w)
         os.set_inheritable(ready_w, False)
-        code = main(list(request["argv"]))
+        if patched:
+            code = _serve_patched(request["argv"], patched, conn, ready_w, main)
+        else:
+            code = main(list(request["argv"]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child must end in os._exit, whatever happened
@@ -105,6 +116,34 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _serve_patched(argv: list[str], site: str, lifeline: socket.socket, ready_w: int,
+                   main: Callable[[list[str]], int]) -> int:
+    """In a forked child: load the patched mirror `site` into this process (`hotpatch.apply`) and
+    serve fork requests on the socket `argv[0]` until `lifeline` (the requesting connection)
+    closes; 3 when the mirror cannot be loaded in place (the reason on stderr, the log)."""
+    from engine_stub.hotpatch import HotPatchRefused
+    from engine_stub.hotpatch import apply as load_patched
+
+    if len(argv) != 1:
+        print(f"engine_stub forkserver: a patched parent takes one argument, its socket; got {argv!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        loaded = load_patched(site)
+    except HotPatchRefused as exc:
+        print(f"engine_stub forkserver: the patched copy at {site} cannot be loaded in place: {exc}", file=sys.stderr)
+        return 3
+    for module, how in sorted(loaded.items()):
+        print(f"engine_stub forkserver: {module}: {how}", file=sys.stderr)
+    os.environ.pop(READY_FD_ENV, None)
+
+    def announce(line: str) -> None:
+        os.write(ready_w, (line + "\n").encode())
+        os.close(ready_w)  # its engines must not hold it
+
+    return serve(argv[0], main, lifeline=lifeline.fileno(), announce=announce, keep=[lifeline])
 
 
 def _send(conn: socket.socket, message: bytes) -> None:
@@ -127,8 +166,11 @@ def _preload() -> None:
 class _Server:
     """The server's state: the listener, connections still sending their request, children."""
 
-    def __init__(self, socket_path: str, main: Callable[[list[str]], int]) -> None:
+    def __init__(self, socket_path: str, main: Callable[[list[str]], int], lifeline: int,
+                 keep: list[socket.socket]) -> None:
         self.main = main
+        self.lifeline = lifeline
+        self.keep = keep  # sockets of its own every child closes (a patched parent's lifeline)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,7 +181,7 @@ class _Server:
         self.by_ready_fd: dict[int, _Child] = {}
 
     def watched(self) -> list:
-        return [sys.stdin, self.listener, self.wake_r, *self.pending, *self.by_ready_fd]
+        return [self.lifeline, self.listener, self.wake_r, *self.pending, *self.by_ready_fd]
 
     def accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -186,9 +228,9 @@ class _Server:
             conn.close()
             return
         if pid == 0:
-            _child(request, ready_w, [self.listener, conn, *self.pending,
+            _child(request, ready_w, [self.listener, conn, *self.pending, *self.keep,
                                       *(c.conn for c in self.children.values())],
-                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main)
+                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main, conn)
         os.close(ready_w)  # the child holds the only write end: EOF once it wrote or died
         child = self.children[pid] = _Child(pid, conn, ready_r)
         self.by_ready_fd[ready_r] = child
@@ -263,11 +305,14 @@ def _become_subreaper() -> None:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main) -> int:
-    """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit.
+def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, lifeline: int | None = None,
+          announce: Callable[[str], None] | None = None, keep: list[socket.socket] = ()) -> int:
+    """Serve fork requests on `socket_path` until `lifeline` (a file descriptor; stdin by
+    default) reads EOF; 0 on a clean exit.
 
     Each child runs `main(argv)` (the engine's by default; SGLang's server for
-    `canaries.server.fork_parent`) and exits with what it returns."""
+    `canaries.server.fork_parent`) and exits with what it returns. `announce` says the server is
+    ready (default: the ready line on stdout); `keep`: sockets every child must close."""
     _preload()
     # Everything imported so far is shared with every child: frozen out of the collector's
     # reach, a child's collections do not touch (and so copy) the parent's pages.
@@ -275,14 +320,18 @@ def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main) -> i
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
     _become_subreaper()
-    server = _Server(socket_path, main)
+    lifeline = sys.stdin.fileno() if lifeline is None else lifeline
+    server = _Server(socket_path, main, lifeline, list(keep))
     signal.set_wakeup_fd(server.wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    print(READY_LINE, flush=True)
+    if announce is None:
+        print(READY_LINE, flush=True)
+    else:
+        announce(READY_LINE)
     try:
         while True:
             readable, _, _ = select.select(server.watched(), [], [])
-            if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+            if lifeline in readable and not os.read(lifeline, 4096):
                 return 0  # the harness is gone
             if server.wake_r in readable:
                 with contextlib.suppress(BlockingIOError):
