@@ -3,7 +3,8 @@
 A fork parent (`engine_stub.forkserver`) that has torch and SGLang imported serves a patched
 release's engines from a fork of itself: the fork calls `apply(site)`, where `site` is a mirror of
 the package (`canaries.releases.patches.patch_mirror`: the patched files real, everything else a
-symlink to the installed file). For each patched file:
+symlink to the installed file), or a full copy of it (an `engine_root`: the engine's sources with
+catalogue regressions applied, whose untouched files are skipped). For each patched file:
 
 - a module the process has not imported yet is imported from the mirror when it is (a finder
   first on `sys.meta_path`);
@@ -226,6 +227,14 @@ def _swap_in_place(module: types.ModuleType, file: PatchedFile) -> int:
     return len(changed)
 
 
+def _same_source(module: types.ModuleType, file: PatchedFile) -> bool:
+    original = getattr(module, "__file__", None)
+    try:
+        return bool(original) and Path(original).read_bytes() == Path(file.path).read_bytes()
+    except OSError:
+        return False
+
+
 def apply(site: str | os.PathLike, package: str | None = None) -> dict[str, str]:
     """Load the mirror `site/package`'s patched files (every package's in `site` when None) into
     this process (see the module docstring); module -> what was done. HotPatchRefused if any file cannot be loaded in place:
@@ -233,6 +242,8 @@ def apply(site: str | os.PathLike, package: str | None = None) -> dict[str, str]
     plans = [(file, sys.modules.get(file.module)) for file in patched_files(site, package)]
     done: dict[str, str] = {}
     for file, module in plans:
+        if module is not None and _same_source(module, file):
+            continue  # a full copy's untouched file (an engine_root): nothing to load
         if module is not None:
             done[file.module] = f"in place ({_swap_in_place(module, file)} function(s) changed)"
     later = {file.module: file for file, module in plans if module is None}

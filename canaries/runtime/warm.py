@@ -371,8 +371,9 @@ def fork_server(python: str | None = None, engine_root: str | os.PathLike | None
                 env: dict[str, str] | None = None) -> ForkServer | PatchedForkServer:
     """This process's fork server for `python`, the engine sources under `engine_root` (None:
     this checkout's), the extra modules to `preload`, the server `module` and its `env`, started
-    on first use (and again if it died). A patched interpreter (`register_patched_python`) gets
-    a fork of its release's server with the patch loaded in place where that can be done."""
+    on first use (and again if it died). A patched interpreter (`register_patched_python`), or
+    another copy of the engine's sources (`engine_root`), gets a fork of the release's (this
+    checkout's) server with the changes loaded in place where that can be done."""
     key = _key(python, engine_root, preload, module, env)
     with _SERVER_LOCK:
         starting = _STARTING.setdefault(key, threading.Lock())
@@ -395,6 +396,11 @@ def fork_server(python: str | None = None, engine_root: str | os.PathLike | None
 def _start(key: _ServerKey) -> ForkServer | PatchedForkServer:
     python, engine_root, preload, module, env = key
     patched = _PATCHED.get(python)
+    if patched is None and engine_root is not None and Path(engine_root, "engine_stub").is_dir():
+        # Another copy of the engine's sources (a planted regression, a mutant): loaded into a
+        # fork of this checkout's parent where only function bodies differ.
+        patched = (python, engine_root)
+        engine_root = None
     if patched is not None:
         base_python, site = patched
         base = fork_server(base_python, engine_root, preload, module, dict(env))
