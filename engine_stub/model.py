@@ -203,18 +203,25 @@ class TinyHybridModel:
         return _rms_norm(x[last]) @ self.lm_head
 
     def _reference_hidden(self, token_ids: list[int]) -> torch.Tensor:
-        """Final hidden states of every position, recomputed from scratch (no cache)."""
+        """Final hidden states of every position, recomputed from scratch (no cache).
+
+        Every query attends over the one sequence's keys (causal, and the window in SWA layers):
+        the same scores and weights as `_attend`, which gathers a key row per query (what the
+        pools hand the engine) and costs O(n^2 * hidden) memory where this costs O(n^2 * heads)."""
         device = self.device
         n = len(token_ids)
         positions = torch.arange(n, device=device)
         x = self.embed[torch.tensor(token_ids, device=device)]
-        key_valid = torch.ones(n, n, dtype=torch.bool, device=device)
+        causal = positions[None, :] <= positions[:, None]  # [query, key]
         for layer in range(len(self.layers)):
             q, k, v = self._qkv(layer, x, positions)
-            keys = k[None].expand(n, *k.shape)
-            values = v[None].expand(n, *v.shape)
-            attn = _attend(q, positions, keys, values, key_valid, self._window_of(layer))
-            x = self._finish_layer(layer, x, attn)
+            mask = causal
+            window = self._window_of(layer)
+            if window is not None:
+                mask = causal & (positions[None, :] > positions[:, None] - window)
+            scores = torch.einsum("thd,lhd->htl", q, k) / math.sqrt(q.shape[-1])
+            probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+            x = self._finish_layer(layer, x, torch.einsum("htl,lhd->thd", probs, v))
         return _rms_norm(x)
 
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
