@@ -152,6 +152,38 @@ def _send(conn: socket.socket, message: bytes) -> None:
         conn.sendall(message)
 
 
+# What every engine imports between the fork and its ready line unless its parent has (85 modules:
+# uvicorn's server and the protocol classes its Config.load() picks, fastapi's check for pydantic
+# v1 models as routes are declared, the perturbation reach tracker).
+ENGINE_START_MODULES = (
+    "uvicorn", "uvicorn.config", "uvicorn.server", "uvicorn.main", "uvicorn.lifespan.on",
+    "uvicorn.loops.auto", "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto",
+    "uvicorn.middleware.proxy_headers", "uvicorn.middleware.message_logger",
+    "uvicorn.loops.asyncio", "pydantic.v1", "logging.config", "fastapi.telemetry._runtime",
+    "engine_stub.perturb.reach",
+)
+
+
+def _warm_engine_start() -> None:
+    """Import what an engine would import after the fork (see ENGINE_START_MODULES) and what
+    uvicorn's automatic choices pick, so that no engine imports it again. An engine tree or a
+    venv without one of them imports nothing instead."""
+    for name in ENGINE_START_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    with contextlib.suppress(Exception):
+        from uvicorn import config as uvicorn_config
+        from uvicorn.importer import import_from_string
+
+        # The "auto" entries of uvicorn's tables (their names differ between its versions).
+        for table in ("HTTP_PROTOCOLS", "WS_PROTOCOLS", "LIFESPAN", "LOOP_SETUPS", "LOOP_FACTORIES"):
+            target = getattr(uvicorn_config, table, {}).get("auto")
+            if target:
+                picked = import_from_string(target)
+                with contextlib.suppress(Exception):
+                    importlib.import_module(picked.__module__)
+
+
 def _preload() -> None:
     """Import the extra modules the harness named (e.g. SGLang's allocator: seconds to import)."""
     for name in filter(None, os.environ.pop(PRELOAD_ENV, "").split(",")):
@@ -313,6 +345,8 @@ def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, l
     Each child runs `main(argv)` (the engine's by default; SGLang's server for
     `canaries.server.fork_parent`) and exits with what it returns. `announce` says the server is
     ready (default: the ready line on stdout); `keep`: sockets every child must close."""
+    if main is engine_main:
+        _warm_engine_start()
     _preload()
     # Everything imported so far is shared with every child: frozen out of the collector's
     # reach, a child's collections do not touch (and so copy) the parent's pages.
