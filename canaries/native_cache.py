@@ -21,6 +21,7 @@ a harness failure or an interrupted scenario is never stored. Digests not used f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -62,6 +63,8 @@ def code_digest(root: Path = _ROOT) -> str:
 def scenario_key(scenario: Any, digest: str) -> str:
     """The cache key of `scenario`'s native run under code `digest`."""
     text = Path(scenario.path).read_bytes() if os.path.isfile(scenario.path) else b""
+    if dataclasses.is_dataclass(scenario):  # one scenario file however its path was spelled
+        scenario = dataclasses.replace(scenario, path=os.path.abspath(scenario.path))
     return hashlib.sha256(f"{digest}\0{scenario!r}\0".encode() + text).hexdigest()
 
 

@@ -131,3 +131,10 @@ def test_store_run_never_raises_on_an_unwritable_cache(tmp_path: Path) -> None:
     (tmp_path / "cache").write_text("a file, not a directory")
     cache = NativeCache(tmp_path / "cache", digest="d" * 64)
     assert store_run(scenarios, _Run()(scenarios, tmp_path / "run"), tmp_path / "run", cache) == 0
+
+
+def test_one_scenario_file_has_one_key_however_its_path_is_spelled(tmp_path: Path, monkeypatch) -> None:
+    (scenario,) = _scenarios(tmp_path, "a")
+    monkeypatch.chdir(tmp_path)
+    relative = _Scenario("a", "scenarios/a.yaml")
+    assert scenario_key(relative, "d" * 64) == scenario_key(scenario, "d" * 64)
