@@ -1,5 +1,7 @@
 """SGLang's KV-canary verify, vectorized (canaries/server/canary_verify.py), against SGLang's own torch
-reference on the same inputs: the same violation rows in the same order, counters and ring.
+reference on the same inputs: the same violation rows in the same order, counters and ring; the
+real-K/V fingerprint slot by slot; and the write reference with its fingerprints folded at once
+against the reference as it is (the same canary buffer, ring and counters).
 
 Runs in the server venv (`make-sglang-venv.sh --server`), where SGLang's reference lives; skips
 without it. Random canary buffers and K/V sources, chains made consistent and then damaged
@@ -102,6 +104,68 @@ CHECK = textwrap.dedent("""
                         ctx.slot_run_counter.tolist(), ctx.kernel_run_counter.tolist()))
         assert out[0] == out[1], (seed, page, mode, damage, out)
         return out[0][1][0] - 1
+
+    # The real-K/V fingerprint itself, slot by slot, against the reference's scalar fold.
+    from canaries.server.canary_verify import _real_kv_hashes
+    for page in (1, 16):
+        for mode in (consts.RealKvHashMode.PARTIAL, consts.RealKvHashMode.ALL):
+            k = torch.randn(32, page * 64 // 4)
+            v = torch.randn(32, page * 64 // 4)
+            sources = (RealKvSource(tensor=k, page_size=page, num_bytes_per_token=64, read_bytes=48),
+                       RealKvSource(tensor=v, page_size=page, num_bytes_per_token=64, read_bytes=64))
+            slots = rng.sample(range(32 * page), min(50, 32 * page))
+            mat = verify_ref.materialize_real_kv_sources(real_kv_sources=sources, real_kv_hash_mode=mode,
+                                                         slot_indices=slots, work_device=torch.device("cpu"))
+            want = [verify_ref._compute_real_kv_hash_scalar(slot_idx=s, host_sources=mat) for s in slots]
+            got = [x & U64 for x in _real_kv_hashes(torch.tensor(slots), mat).tolist()]
+            assert got == want, (page, mode)
+
+    # The write reference with its fingerprints folded at once: the same buffer and ring.
+    from canaries.server.canary_verify import install_write
+    from sglang.kernels.ops.kv_canary import write_ref
+    from sglang.kernels.ops.kv_canary.write import WritePlan
+
+    def write_case(seed, page, mode):
+        rng = random.Random(seed)
+        k = torch.randn(64, page * 32 // 4)
+        sources = (RealKvSource(tensor=k, page_size=page, num_bytes_per_token=32, read_bytes=32),)
+        offsets, seeds, loc, ids, pos = [0], [], [], [], []
+        for r in range(4):
+            n = rng.randrange(1, 9)
+            seeds.append(rng.choice([-1, rng.randrange(1, 64 * page)]))
+            start = rng.randrange(0, 5)
+            for i in range(n):
+                loc.append(rng.choice([-1] + [rng.randrange(1, 64 * page)] * 6))
+                ids.append(rng.randrange(256))
+                pos.append(start + i + (1 if i == 3 and r == 2 else 0))  # one broken chain step
+            offsets.append(offsets[-1] + n)
+        base = torch.randint(-(1 << 40), 1 << 40, (64 * page, 4), dtype=torch.int64)
+        results = []
+        for patched in (False, True):
+            if patched:
+                install_write(write_ref)
+            ctx = VerifyOrWriteContext(canary_buf=base.clone().view(torch.uint8), kernel_kind=5,
+                                       violation_ring=torch.zeros(16, consts.VIOLATION_FIELDS, dtype=torch.int64),
+                                       violation_write_index=torch.tensor([0], dtype=torch.int32),
+                                       slot_run_counter=torch.zeros(1, dtype=torch.int64),
+                                       kernel_run_counter=torch.zeros(1, dtype=torch.int64),
+                                       real_kv_sources=sources, real_kv_hash_mode=mode,
+                                       enable_chain_position_assert=torch.ones(1, dtype=torch.int32))
+            plan = WritePlan(write_offsets=torch.tensor(offsets + [offsets[-1]] * 2, dtype=torch.int64),
+                             write_seed_slot_indices=torch.tensor(seeds + [0, 0], dtype=torch.int64),
+                             write_num_valid_reqs=torch.tensor([4], dtype=torch.int32))
+            write_ref.launch_canary_write_kernel_torch_reference(
+                context=ctx, plan=plan, input_ids=torch.tensor(ids), positions=torch.tensor(pos),
+                out_cache_loc=torch.tensor(loc), enable_write_input_assert=False,
+                expected_input_tokens=None, expected_input_positions=None)
+            results.append((ctx.canary_buf.view(torch.int64).tolist(), ctx.violation_ring.tolist(),
+                            ctx.violation_write_index.tolist(), ctx.slot_run_counter.tolist()))
+        assert results[0] == results[1], (seed, page, mode)
+        return results[0]
+
+    written = [write_case(seed, page, mode) for seed in range(2) for page in (1, 16)
+               for mode in consts.RealKvHashMode]
+    assert any(r[2][0] > 0 for r in written), "no broken chain step showed"
 
     found = 0
     for seed in range(3):

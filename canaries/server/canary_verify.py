@@ -11,8 +11,10 @@ module is the same computation on tensors: the same slots skipped, the same chai
 into one), the same fail bits, the same violation rows in the same order, the same counters and
 ring writes. 64-bit arithmetic runs on int64 tensors (two's complement: wrapping multiplication,
 logical shifts masked). `install` puts it in place of the reference where SGLang looks it up
-(`verify.py` imports it from `verify_ref` at each launch); tests/test_server_canary_verify.py holds
-it to SGLang's reference on the same inputs.
+(`verify.py` imports it from `verify_ref` at each launch); `install_write` gives the write
+reference (`write_ref.py`, whose chain walk stays its own) each slot's real-K/V fingerprint from
+one fold over all the slots it gathered. tests/test_server_canary_verify.py holds both to SGLang's
+reference on the same inputs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["install", "splitmix64", "verify"]
+__all__ = ["install", "install_write", "splitmix64", "verify"]
 
 _GOLDEN_1 = 0xBF58476D1CE4E5B9
 _GOLDEN_2 = 0x94D049BB133111EB
@@ -159,6 +161,47 @@ def verify(*, context, plan, check_verify_expected_token: bool) -> None:
         ring_host[base:base + in_ring, :] = rows[:in_ring, :]
         ring.copy_(ring_host.to(ring.device))
     write_index[0] = write_index[0] + count
+
+
+class _WithHashes(tuple):
+    """`materialize_real_kv_sources`'s tuple, carrying every requested slot's fingerprint."""
+
+    hashes: dict[int, int]
+
+
+def _write_materialize(original):
+    def materialize(*, real_kv_sources, real_kv_hash_mode, slot_indices, work_device):
+        sources = original(real_kv_sources=real_kv_sources, real_kv_hash_mode=real_kv_hash_mode,
+                           slot_indices=slot_indices, work_device=work_device)
+        out = _WithHashes(sources)
+        slots = torch.tensor(list(slot_indices), dtype=torch.int64)
+        hashes = _real_kv_hashes(slots, sources) if slots.numel() else slots
+        out.hashes = {slot: value & ((1 << 64) - 1) for slot, value in zip(slots.tolist(), hashes.tolist(), strict=True)}
+        return out
+
+    return materialize
+
+
+def _write_hash(original):
+    def compute(*, slot_idx, host_sources):
+        hashes = getattr(host_sources, "hashes", None)
+        if hashes is not None and slot_idx in hashes:
+            return hashes[slot_idx]
+        return original(slot_idx=slot_idx, host_sources=host_sources)
+
+    return compute
+
+
+def install_write(module: ModuleType) -> None:
+    """In `module` (`sglang.kernels.ops.kv_canary.write_ref`), fold the real K/V of every slot a
+    write launch gathers at once, when it gathers them: the reference's own loop then takes each
+    slot's fingerprint from there (what `_compute_real_kv_hash_scalar` returns for it, as an
+    unsigned 64-bit integer), and everything else it does is its own."""
+    if getattr(module, "__canary_vectorized__", False):
+        return
+    module.materialize_real_kv_sources = _write_materialize(module.materialize_real_kv_sources)
+    module._compute_real_kv_hash_scalar = _write_hash(module._compute_real_kv_hash_scalar)
+    module.__canary_vectorized__ = True
 
 
 def install(module: ModuleType) -> None:

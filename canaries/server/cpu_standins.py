@@ -127,6 +127,7 @@ def install() -> None:
     from canaries.server import canary_verify
 
     after_import("sglang.kernels.ops.kv_canary.verify_ref", canary_verify.install)
+    after_import("sglang.kernels.ops.kv_canary.write_ref", canary_verify.install_write)
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
         return
     module = types.ModuleType("sgl_kernel")
