@@ -61,6 +61,7 @@ __all__ = ["READY_LINE", "serve"]
 READY_LINE = SERVER_READY_LINE
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -74,12 +75,15 @@ class _Child:
 
 
 def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int],
-           main: Callable[[list[str]], int], conn: socket.socket) -> None:
+           main: Callable[[list[str]], int], conn: socket.socket, parent: int | None = None) -> None:
     """In the forked child: become a fresh-looking engine process, run `main(argv)` (or, for a
-    `patched_site` request, serve as the patched copy's fork parent), never return."""
+    `patched_site` request, serve as the patched copy's fork parent), never return. `parent`: die
+    with that process (a patched parent's engines: its own parent's close cannot reach them)."""
     code = 1
     patched = request.get("patched_site")
     try:
+        if parent is not None:
+            _die_with_parent(parent)
         os.setsid()
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
@@ -118,6 +122,16 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
         os._exit(code)
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` (its parent) dies (Linux), or now if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _serve_patched(argv: list[str], site: str, lifeline: socket.socket, ready_w: int,
                    main: Callable[[list[str]], int]) -> int:
     """In a forked child: load the patched mirror `site` into this process (`hotpatch.apply`) and
@@ -143,7 +157,8 @@ def _serve_patched(argv: list[str], site: str, lifeline: socket.socket, ready_w:
         os.write(ready_w, (line + "\n").encode())
         os.close(ready_w)  # its engines must not hold it
 
-    return serve(argv[0], main, lifeline=lifeline.fileno(), announce=announce, keep=[lifeline])
+    return serve(argv[0], main, lifeline=lifeline.fileno(), announce=announce, keep=[lifeline],
+                 children_die_with_it=True)
 
 
 def _send(conn: socket.socket, message: bytes) -> None:
@@ -199,8 +214,9 @@ class _Server:
     """The server's state: the listener, connections still sending their request, children."""
 
     def __init__(self, socket_path: str, main: Callable[[list[str]], int], lifeline: int,
-                 keep: list[socket.socket]) -> None:
+                 keep: list[socket.socket], children_die_with_it: bool = False) -> None:
         self.main = main
+        self.parent_of_children = os.getpid() if children_die_with_it else None
         self.lifeline = lifeline
         self.keep = keep  # sockets of its own every child closes (a patched parent's lifeline)
         self.wake_r, self.wake_w = os.pipe()
@@ -262,7 +278,8 @@ class _Server:
         if pid == 0:
             _child(request, ready_w, [self.listener, conn, *self.pending, *self.keep,
                                       *(c.conn for c in self.children.values())],
-                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main, conn)
+                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main, conn,
+                   self.parent_of_children)
         os.close(ready_w)  # the child holds the only write end: EOF once it wrote or died
         child = self.children[pid] = _Child(pid, conn, ready_r)
         self.by_ready_fd[ready_r] = child
@@ -338,13 +355,16 @@ def _become_subreaper() -> None:
 
 
 def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, lifeline: int | None = None,
-          announce: Callable[[str], None] | None = None, keep: list[socket.socket] = ()) -> int:
+          announce: Callable[[str], None] | None = None, keep: list[socket.socket] = (),
+          children_die_with_it: bool = False) -> int:
     """Serve fork requests on `socket_path` until `lifeline` (a file descriptor; stdin by
     default) reads EOF; 0 on a clean exit.
 
     Each child runs `main(argv)` (the engine's by default; SGLang's server for
     `canaries.server.fork_parent`) and exits with what it returns. `announce` says the server is
-    ready (default: the ready line on stdout); `keep`: sockets every child must close."""
+    ready (default: the ready line on stdout); `keep`: sockets every child must close;
+    `children_die_with_it`: each child is SIGKILLed if this server dies (a patched parent, which its
+    own parent may SIGKILL before it can stop its children)."""
     if main is engine_main:
         _warm_engine_start()
     _preload()
@@ -355,7 +375,7 @@ def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, l
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
     _become_subreaper()
     lifeline = sys.stdin.fileno() if lifeline is None else lifeline
-    server = _Server(socket_path, main, lifeline, list(keep))
+    server = _Server(socket_path, main, lifeline, list(keep), children_die_with_it)
     signal.set_wakeup_fd(server.wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     if announce is None:

@@ -179,6 +179,10 @@ PARENT = textwrap.dedent("""
     package = importlib.import_module("{name}.alloc")  # imported before serving: patched in place
 
     def main(argv):
+        if argv[0] == "sleep":  # an engine that runs until it is stopped
+            import time
+            time.sleep(120)
+            return 0
         import {name}.later as later
         with open(argv[0], "w") as out:
             json.dump({{"free": package.free([0, 1]), "later": later.answer(), "pid": __import__("os").getpid()}}, out)
@@ -256,3 +260,37 @@ def test_patch_that_cannot_load_in_place_gets_a_parent_of_its_own(tmp_path: Path
     finally:
         warm._close_servers()
         warm._PATCHED.pop(str(wrapper), None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_engines_of_a_patched_parent_killed_outright_die_with_it(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from canaries.runtime import warm
+
+    name, src = _package(tmp_path, {"alloc.py": ORIGINAL, "later.py": "def answer():\n    return 1\n"})
+    base = _python_running(tmp_path, PARENT.format(name=name), src)
+    site = _mirror(tmp_path, name, src, {"alloc.py": ORIGINAL.replace("if s > 0", "if s >= 0")})
+    patched = str(tmp_path / "patched-python")
+    warm.register_patched_python(patched, base, site)
+    try:
+        server = warm.fork_server(patched)
+        engine = server.spawn(["sleep"], dict(os.environ), tmp_path / "sleep.log")
+        os.kill(server.proc.pid, signal.SIGKILL)  # as its own parent's close would, with no warning
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(engine.pid):
+            time.sleep(0.1)
+        assert not _alive(engine.pid), "the patched parent's engine outlived it"
+    finally:
+        warm._close_servers()
+        warm._PATCHED.pop(patched, None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
