@@ -497,3 +497,48 @@ def test_matrix_candidate_spelled_like_a_listed_release_adds_no_column(capsys) -
                    "--no-build", "-k", "clean-page1-noradix"])
     err = capsys.readouterr().err
     assert code == 2 and "named twice" not in err and "make-sglang-venv.sh --version 0.0.1" in err
+
+
+def test_run_matrix_starts_each_parent_shortly_before_its_column_and_closes_it_after(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """One column at a time: a column's parent is started as the column before it starts (no
+    parent waits for long), is closed when the column is done, and a patched column's
+    interpreter is registered to fork from its release's parent."""
+    import canaries.matrix as matrix
+    import canaries.runner as runner
+    import canaries.runtime.warm as warm
+
+    events: list[tuple[str, str]] = []
+    python_of = {"0.5.20": "/venv-0.5.20/bin/python", "0.5.23": "/venv-0.5.23/bin/python"}
+    monkeypatch.setattr(matrix, "release_python", lambda source, **_: Path(python_of[source.version]))
+    monkeypatch.setattr(matrix, "patched_interpreter",
+                        lambda python, version, patches, workdir, diffs: (workdir / "bin" / "python", ""))
+    monkeypatch.setattr(matrix, "engine_sglang_version", lambda python: "0.5.20" if "0.5.20" in python else "0.5.23")
+
+    def run_many(scenarios, report_dir, **kwargs):
+        events.append(("run", kwargs.get("engine_python") or "native"))
+        return []
+
+    monkeypatch.setattr(runner, "run_many", run_many)
+    monkeypatch.setattr(warm, "prestart", lambda python, root, preload: events.append(("prestart", python)))
+    monkeypatch.setattr(warm, "close_fork_server", lambda python=None, root=None: events.append(("close", python)))
+    registered: list[tuple[str, str]] = []
+    monkeypatch.setattr(warm, "register_patched_python",
+                        lambda python, base, site: registered.append((str(python), str(base))))
+    matrix.run_matrix([], parse_releases("0.5.20,0.5.23,0.5.23+identity"), tmp_path / "m", columns_at_once=1,
+                      progress=False, reuse_native=False, log=lambda line: None)
+    patched = next(python for python, _ in registered)
+    assert registered == [(patched, python_of["0.5.23"])]
+    order = [python_of["0.5.23"], patched, python_of["0.5.20"]]  # newest first, the base before its patch
+    runs = [python for kind, python in events if kind == "run"]
+    assert runs == ["native", *order]
+    for column in order:
+        started = events.index(("prestart", column))
+        ran = events.index(("run", column))
+        closed = events.index(("close", column))
+        position = runs.index(column)
+        # started while the column before it runs (or, for the first, before anything runs), not earlier
+        earliest = events.index(("run", runs[position - 2])) if position >= 2 else 0
+        assert earliest <= started < ran < closed, events
+        # nothing of the next column's runs before this column's parent is gone
+        assert all(events.index(("run", later)) > closed for later in runs[runs.index(column) + 1:])
