@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", choices=("memory", "server"), action="append", default=[],
                         help="leave out the memory-path matrix or both server steps")
     parser.add_argument("--rerun-native", action="store_true", help="the matrices run their native column too")
+    parser.add_argument("--keep", metavar="DIR", help="write the reports under DIR (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.every < 1 or args.jobs < 1 or args.columns < 1:
         parser.error("--every, --jobs and --columns must be >= 1")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     *(["--rerun-native"] if args.rerun_native else [])]
     out: dict = {"bench": "gate", "jobs": args.jobs, "scenarios": len(files), "columns": args.columns}
     with tempfile.TemporaryDirectory(prefix="bench-gate-") as scratch:
-        tmp = Path(scratch)
+        tmp = Path(args.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
         load = _load()
         unit = _torch_unit()
         out["import_torch_s"] = round(unit, 3)
