@@ -30,6 +30,7 @@ from typing import Any
 
 from canaries.confirm import DEFAULT_RERUNS, Confirmation, confirm, confirmation_from_dict
 from canaries.divergences import known_divergences
+from canaries.native_cache import NativeCache, run_native
 from canaries.parity import (
     PARITY_DIR,
     SERVER_PARITY_DIR,
@@ -101,6 +102,8 @@ def describe_provenance(prov: dict) -> str:
         head = f"tree {prov['path']}"
         if prov.get("commit"):
             head += f" at {prov['commit']}" + (" (dirty)" if prov.get("dirty") else "")
+        if str(prov.get("version_from", "")).startswith("git describe"):
+            head += f", version by {prov['version_from']}"
         if prov.get("py_sha256"):
             head += f", .py sha256 {prov['py_sha256']}"
         parts = [head]
@@ -171,6 +174,7 @@ class MatrixResult:
     report_dir: Path
     wall_seconds: float = 0.0  # the whole matrix (columns overlap: theirs add up to more)
     runtime: str = "local"  # local: each release's memory path under our engine; sglang-server: its server
+    native_cached: int = 0  # native scenarios taken from an earlier run of the same code (native_cache.py)
 
     @property
     def unexplained(self) -> list[tuple[str, str]]:
@@ -194,6 +198,7 @@ class MatrixResult:
             "columns": [asdict(c) for c in self.columns],
             "native_seconds": round(self.native_seconds, 1),
             "wall_seconds": round(self.wall_seconds, 1),
+            "native_cached": self.native_cached,
             "scenarios": {name: {label: asdict(cell) for label, cell in row.items()}
                           for name, row in self.cells.items()},
             "unexplained": [{"scenario": s, "release": r} for s, r in self.unexplained],
@@ -206,7 +211,10 @@ class MatrixResult:
         labels = [c.label for c in self.columns]
         server = self.runtime == "sglang-server"
         lines = [f"# Release matrix: native vs SGLang's own {'server' if server else 'memory path'}", "",
-                 f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side).", "",
+                 f"Wall time {self.wall_seconds:.0f}s for the whole matrix (columns run side by side)."
+                 + (f" Native: {self.native_cached} of {len(self.cells)} scenario(s) reused from an earlier "
+                    "run of the same engine, harness and scenario (canaries/native_cache.py)."
+                    if self.native_cached else ""), "",
                  "| column | sglang | what ran | divergences | parts from SGLang | wall time |",
                  "|---|---|---|---|---|---|",
                  f"| native | - | - | - | - | {self.native_seconds:.0f}s |"]
@@ -296,7 +304,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
                jobs: int = 1, columns_at_once: int = 3, progress: bool = True, build: bool = True,
                last: str | None = None, candidate: str | None = None, runtime: str = "local",
                log: Callable[[str], None] = print, reruns: int = DEFAULT_RERUNS,
-               flaky: str = "warn") -> MatrixResult:
+               flaky: str = "warn", reuse_native: bool = True) -> MatrixResult:
     """Run the matrix into `report_dir`; see the module docstring.
 
     `columns_at_once` columns run side by side, each with `jobs` scenarios at once (one warm
@@ -308,6 +316,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     flaky, failing the gate only when `flaky` is "fail" (canaries/confirm.py).
     A SIGINT or SIGTERM stops every column at once; the matrix of what ran is written (its
     unfinished cells NOT_RUN or interrupted) and RunInterrupted is raised.
+    `reuse_native`: take each native scenario kept from an earlier run of the same code and
+    scenario (canaries/native_cache.py), run only the others.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -317,7 +327,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
     from canaries.runtime.sglang_server import prestart_parent
-    from canaries.runtime.warm import close_fork_server, prestart
+    from canaries.runtime.warm import close_fork_server, prestart, register_patched_python
 
     if runtime not in ("local", "sglang-server"):
         raise ReleaseError(f"runtime {runtime!r}: local or sglang-server")
@@ -342,8 +352,10 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         for spec in releases:
             python, diff = pythons[spec.base], ""
             if spec.patches or spec.diffs:
-                python, diff = patched_interpreter(python, spec.version, spec.patches,
-                                                   Path(scratch) / file_label(spec.label), spec.diffs)
+                workdir = Path(scratch) / file_label(spec.label)
+                python, diff = patched_interpreter(python, spec.version, spec.patches, workdir, spec.diffs)
+                # Its warm parent: a fork of the base's with the patch loaded in place.
+                register_patched_python(python, pythons[spec.base], workdir / "site")
                 write_atomic(report_dir / f"patch-{file_label(spec.label)}.diff", diff.encode())
             version = engine_sglang_version(str(python))
             if not same_version(version, spec.version):
@@ -354,29 +366,53 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         references = {label: _reference(label, str(python), last, candidate, interpreters)
                       for label, (python, _) in interpreters.items()} if server else {}
         # Each release's warm fork server imports torch and sglang (seconds; a server's parent,
-        # SGLang's server modules too): start them all now, so that a column's imports overlap
-        # the columns already running.
-        for python, _ in interpreters.values():
-            if server:
-                prestart_parent(python)
-            else:
-                prestart(str(python), None, PRELOAD["sglang"])
+        # SGLang's server modules too): each starts as the column before it in the queue starts,
+        # so that its imports overlap the columns running, and no parent waits long before its
+        # column (a patched column's is a fork of its base's). Newest releases first: older ones
+        # refuse more configurations here and finish sooner, so the last columns to start are the
+        # short ones (no long tail on one column).
+        newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
+        order = ["native", *(spec.label for spec in newest)]
+
+        def prestart_column(index: int) -> None:
+            if 0 < index < len(order):
+                python = interpreters[order[index]][0]
+                if server:
+                    prestart_parent(python)
+                else:
+                    prestart(str(python), None, PRELOAD["sglang"])
+
+        for index in range(1, columns_at_once + 1):
+            prestart_column(index)
         started = time.monotonic()
         log(f"matrix: {len(scenarios)} scenarios x (native + {', '.join(labels)}), "
             f"{columns_at_once} column(s) at once, {jobs} scenario(s) each")
-        shown = progress_for(len(scenarios) * (len(releases) + 1), jobs * columns_at_once) if progress else None
+        cache = NativeCache() if reuse_native else None
+        kept = cache.kept(scenarios) if cache is not None else {}
+        shown = progress_for(len(scenarios) * (len(releases) + 1) - len(kept), jobs * columns_at_once) \
+            if progress else None
+        native_cached = 0
 
         def column(label: str, selection: Sequence[Any] = scenarios, into: str = "") -> tuple[list, float]:
+            nonlocal native_cached
             python = None if label == "native" else str(interpreters[label][0])
             sglang_side = {"runtime": runtime} if server else {"memory": "sglang"}
             if server and python is not None:
                 sglang_side["reference"] = references[label]
+            prestart_column(order.index(label) + columns_at_once)  # queued `columns_at_once` behind it
             t0 = time.monotonic()
+
+            def run(selected: Sequence[Any], into_dir: Path) -> list:
+                return run_many(selected, into_dir, jobs=jobs, latch=latch,
+                                progress=Prefixed(f"[{label}{into and ' ' + into}]", shown) if shown else False,
+                                **({} if python is None else {**sglang_side, "engine_python": python}))
+
             try:
-                records = run_many(selection, report_dir / "runs" / file_label(label) / into, jobs=jobs,
-                                   latch=latch, progress=Prefixed(f"[{label}{into and ' ' + into}]", shown)
-                                   if shown else False,
-                                   **({} if python is None else {**sglang_side, "engine_python": python}))
+                if python is None:
+                    records, native_cached = run_native(selection, report_dir / "runs" / "native", run, cache,
+                                                        kept, log)
+                else:
+                    records = run(selection, report_dir / "runs" / file_label(label) / into)
             finally:
                 if python is not None:
                     close_fork_server(python)
@@ -392,10 +428,6 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         confirmations: dict[str, Confirmation] = {}
         with SignalLatch() as latch, (shown or contextlib.nullcontext()), \
                 ThreadPoolExecutor(max_workers=max(1, columns_at_once), thread_name_prefix="matrix") as pool:
-            # Newest releases first: older ones refuse more configurations here and finish sooner,
-            # so the last columns to start are the short ones (no long tail on one column).
-            newest = sorted(releases, key=lambda spec: version_key(spec.version), reverse=True)
-            order = ["native", *(spec.label for spec in newest)]
             runs = {label: pool.submit(column, label) for label in order}
             done, interrupted = _collect(runs, latch)
             if interrupted is None and last and candidate and reruns > 0:
@@ -413,7 +445,7 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         wall_seconds = time.monotonic() - started
     columns = _columns(releases, done, interpreters, provenance, references)
     result = _judge(columns, {label: records for label, (records, _) in done.items()}, done["native"][1],
-                    report_dir, wall_seconds, runtime, last, candidate, confirmations, flaky)
+                    report_dir, wall_seconds, runtime, last, candidate, confirmations, flaky, native_cached)
     if interrupted is not None:
         raise RunInterrupted(interrupted.signum, [], interrupted.interruption) from interrupted
     return result
@@ -488,7 +520,8 @@ def _cells_of(columns: list[Column], done: dict[str, Any], report_dir: Path,
 
 def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds: float, report_dir: Path,
            wall_seconds: float, runtime: str, last: str | None, candidate: str | None,
-           confirmations: dict[str, Confirmation] | None = None, flaky: str = "warn") -> MatrixResult:
+           confirmations: dict[str, Confirmation] | None = None, flaky: str = "warn",
+           native_cached: int = 0) -> MatrixResult:
     """Every column's cells against the native run and its release's known divergences, the gate
     (with the reruns' `confirmations`), and the three reports written into `report_dir`."""
     from canaries.report.atomic import write_atomic
@@ -499,7 +532,7 @@ def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds
         column.version, SERVER_PARITY_DIR if server else PARITY_DIR).describe()) for column in columns]
     cells = _cells_of(columns, done, report_dir, runtime)
     verdict = gate(last, candidate, cells, confirmations, flaky) if last and candidate else None
-    result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime)
+    result = MatrixResult(judged, native_seconds, cells, verdict, report_dir, wall_seconds, runtime, native_cached)
     write_atomic(report_dir / "matrix.md", result.to_markdown().encode())
     write_atomic(report_dir / "matrix.json", json.dumps(result.to_dict(), indent=2).encode() + b"\n")
     write_atomic(report_dir / "matrix.html", matrix_html(result).encode())
@@ -534,4 +567,4 @@ def rejudge_matrix(report_dir: str | Path) -> MatrixResult:
     return _judge(columns, done, float(doc.get("native_seconds", 0.0)), report_dir,
                   float(doc.get("wall_seconds", 0.0)), doc.get("runtime", "local"),
                   gate_doc.get("last"), gate_doc.get("candidate"), confirmations,
-                  "fail" if gate_doc.get("flaky_fails") else "warn")
+                  "fail" if gate_doc.get("flaky_fails") else "warn", int(doc.get("native_cached", 0)))

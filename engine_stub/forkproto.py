@@ -10,6 +10,12 @@ own and the server forwards it). So no two writers can interleave and the order 
     {"type": "exit", "code": C}     last (negative: killed by that signal); then EOF
     {"type": "error", "message": S} instead of a pid: the request was refused or fork failed
 
+A request with `patched_site` asks for a fork parent, not an engine: the child loads the patched
+mirror at that path into itself (`engine_stub.hotpatch`) and serves this protocol on the socket
+`argv[0]`, its `ready` line the server ready line below, for as long as the requesting
+connection stays open (its lifeline). One it cannot load in place exits (code 3) before `ready`,
+its reason in its log.
+
 `LineReader` turns a stream's chunks into whole lines (a recv may end anywhere);
 `parse_message` checks a line against the table below and names what it got when it refuses.
 """
@@ -23,7 +29,7 @@ __all__ = ["ForkProtocolError", "LineReader", "MAX_LINE", "MESSAGE_FIELDS", "enc
 
 # The server's first line on its stdout; the version changes with any change to the messages, so
 # a harness meeting an engine tree of another era (`canary bisect`'s old commits) knows.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 SERVER_READY_LINE = f"engine_stub forkserver ready (protocol {PROTOCOL_VERSION})"
 MAX_LINE = 1 << 20  # a request carries an environment: generous, but not endless
 
@@ -41,6 +47,7 @@ REQUEST_FIELDS: dict[str, tuple[type, bool]] = {
     "env": (dict, True),
     "log": (str, True),
     "cwd": (str, False),
+    "patched_site": (str, False),
 }
 
 

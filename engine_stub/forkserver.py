@@ -19,6 +19,11 @@ connection and pipe of the server's.
 The server lives as long as its stdin: when the harness that started it exits, however it dies,
 the pipe closes and the server SIGKILLs every child's group before it exits, so no engine
 outlives its harness.
+
+A request with `patched_site` forks a parent for a patched copy of the release instead of an
+engine (`engine_stub.forkproto`): the child loads the patched files into itself in place
+(`engine_stub.hotpatch`), nothing imported again, and serves the same protocol on a socket of its
+own for as long as the requesting connection stays open.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ __all__ = ["READY_LINE", "serve"]
 READY_LINE = SERVER_READY_LINE
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -69,16 +75,22 @@ class _Child:
 
 
 def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[int],
-           main: Callable[[list[str]], int]) -> None:
-    """In the forked child: become a fresh-looking engine process, run `main(argv)`, never return."""
+           main: Callable[[list[str]], int], conn: socket.socket, parent: int | None = None) -> None:
+    """In the forked child: become a fresh-looking engine process, run `main(argv)` (or, for a
+    `patched_site` request, serve as the patched copy's fork parent), never return. `parent`: die
+    with that process (a patched parent's engines: its own parent's close cannot reach them)."""
     code = 1
+    patched = request.get("patched_site")
     try:
+        if parent is not None:
+            _die_with_parent(parent)
         os.setsid()
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(signum, signal.SIG_DFL)
         for sock in closing:  # its own connection among them: only the server writes there
-            sock.close()
+            if not (patched and sock is conn):  # a patched parent only reads it: its lifeline
+                sock.close()
         for fd in fds:
             os.close(fd)
         log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -94,7 +106,10 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
         # The engine writes its ready line to this pipe; the server forwards it at once.
         os.environ[READY_FD_ENV] = str(ready_w)
         os.set_inheritable(ready_w, False)
-        code = main(list(request["argv"]))
+        if patched:
+            code = _serve_patched(request["argv"], patched, conn, ready_w, main)
+        else:
+            code = main(list(request["argv"]))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child must end in os._exit, whatever happened
@@ -107,10 +122,81 @@ def _child(request: dict, ready_w: int, closing: list[socket.socket], fds: list[
         os._exit(code)
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when `parent` (its parent) dies (Linux), or now if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _serve_patched(argv: list[str], site: str, lifeline: socket.socket, ready_w: int,
+                   main: Callable[[list[str]], int]) -> int:
+    """In a forked child: load the patched mirror `site` into this process (`hotpatch.apply`) and
+    serve fork requests on the socket `argv[0]` until `lifeline` (the requesting connection)
+    closes; 3 when the mirror cannot be loaded in place (the reason on stderr, the log)."""
+    from engine_stub.hotpatch import HotPatchRefused
+    from engine_stub.hotpatch import apply as load_patched
+
+    if len(argv) != 1:
+        print(f"engine_stub forkserver: a patched parent takes one argument, its socket; got {argv!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        loaded = load_patched(site)
+    except HotPatchRefused as exc:
+        print(f"engine_stub forkserver: the patched copy at {site} cannot be loaded in place: {exc}", file=sys.stderr)
+        return 3
+    for module, how in sorted(loaded.items()):
+        print(f"engine_stub forkserver: {module}: {how}", file=sys.stderr)
+    os.environ.pop(READY_FD_ENV, None)
+
+    def announce(line: str) -> None:
+        os.write(ready_w, (line + "\n").encode())
+        os.close(ready_w)  # its engines must not hold it
+
+    return serve(argv[0], main, lifeline=lifeline.fileno(), announce=announce, keep=[lifeline],
+                 children_die_with_it=True)
+
+
 def _send(conn: socket.socket, message: bytes) -> None:
     """Write one encoded message; a harness that hung up is no concern of the server's."""
     with contextlib.suppress(OSError):
         conn.sendall(message)
+
+
+# What every engine imports between the fork and its ready line unless its parent has (85 modules:
+# uvicorn's server and the protocol classes its Config.load() picks, fastapi's check for pydantic
+# v1 models as routes are declared, the perturbation reach tracker).
+ENGINE_START_MODULES = (
+    "uvicorn", "uvicorn.config", "uvicorn.server", "uvicorn.main", "uvicorn.lifespan.on",
+    "uvicorn.loops.auto", "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto",
+    "uvicorn.middleware.proxy_headers", "uvicorn.middleware.message_logger",
+    "uvicorn.loops.asyncio", "pydantic.v1", "logging.config", "fastapi.telemetry._runtime",
+    "engine_stub.perturb.reach",
+)
+
+
+def _warm_engine_start() -> None:
+    """Import what an engine would import after the fork (see ENGINE_START_MODULES) and what
+    uvicorn's automatic choices pick, so that no engine imports it again. An engine tree or a
+    venv without one of them imports nothing instead."""
+    for name in ENGINE_START_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    with contextlib.suppress(Exception):
+        from uvicorn import config as uvicorn_config
+        from uvicorn.importer import import_from_string
+
+        # The "auto" entries of uvicorn's tables (their names differ between its versions).
+        for table in ("HTTP_PROTOCOLS", "WS_PROTOCOLS", "LIFESPAN", "LOOP_SETUPS", "LOOP_FACTORIES"):
+            target = getattr(uvicorn_config, table, {}).get("auto")
+            if target:
+                picked = import_from_string(target)
+                with contextlib.suppress(Exception):
+                    importlib.import_module(picked.__module__)
 
 
 def _preload() -> None:
@@ -127,8 +213,12 @@ def _preload() -> None:
 class _Server:
     """The server's state: the listener, connections still sending their request, children."""
 
-    def __init__(self, socket_path: str, main: Callable[[list[str]], int]) -> None:
+    def __init__(self, socket_path: str, main: Callable[[list[str]], int], lifeline: int,
+                 keep: list[socket.socket], children_die_with_it: bool = False) -> None:
         self.main = main
+        self.parent_of_children = os.getpid() if children_die_with_it else None
+        self.lifeline = lifeline
+        self.keep = keep  # sockets of its own every child closes (a patched parent's lifeline)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,7 +229,7 @@ class _Server:
         self.by_ready_fd: dict[int, _Child] = {}
 
     def watched(self) -> list:
-        return [sys.stdin, self.listener, self.wake_r, *self.pending, *self.by_ready_fd]
+        return [self.lifeline, self.listener, self.wake_r, *self.pending, *self.by_ready_fd]
 
     def accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -186,9 +276,10 @@ class _Server:
             conn.close()
             return
         if pid == 0:
-            _child(request, ready_w, [self.listener, conn, *self.pending,
+            _child(request, ready_w, [self.listener, conn, *self.pending, *self.keep,
                                       *(c.conn for c in self.children.values())],
-                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main)
+                   [self.wake_r, self.wake_w, ready_r, *self.by_ready_fd], self.main, conn,
+                   self.parent_of_children)
         os.close(ready_w)  # the child holds the only write end: EOF once it wrote or died
         child = self.children[pid] = _Child(pid, conn, ready_r)
         self.by_ready_fd[ready_r] = child
@@ -263,11 +354,19 @@ def _become_subreaper() -> None:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main) -> int:
-    """Serve fork requests on `socket_path` until stdin closes; 0 on a clean exit.
+def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, lifeline: int | None = None,
+          announce: Callable[[str], None] | None = None, keep: list[socket.socket] = (),
+          children_die_with_it: bool = False) -> int:
+    """Serve fork requests on `socket_path` until `lifeline` (a file descriptor; stdin by
+    default) reads EOF; 0 on a clean exit.
 
     Each child runs `main(argv)` (the engine's by default; SGLang's server for
-    `canaries.server.fork_parent`) and exits with what it returns."""
+    `canaries.server.fork_parent`) and exits with what it returns. `announce` says the server is
+    ready (default: the ready line on stdout); `keep`: sockets every child must close;
+    `children_die_with_it`: each child is SIGKILLed if this server dies (a patched parent, which its
+    own parent may SIGKILL before it can stop its children)."""
+    if main is engine_main:
+        _warm_engine_start()
     _preload()
     # Everything imported so far is shared with every child: frozen out of the collector's
     # reach, a child's collections do not touch (and so copy) the parent's pages.
@@ -275,14 +374,18 @@ def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main) -> i
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness's Ctrl-C is the harness's business
     _become_subreaper()
-    server = _Server(socket_path, main)
+    lifeline = sys.stdin.fileno() if lifeline is None else lifeline
+    server = _Server(socket_path, main, lifeline, list(keep), children_die_with_it)
     signal.set_wakeup_fd(server.wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    print(READY_LINE, flush=True)
+    if announce is None:
+        print(READY_LINE, flush=True)
+    else:
+        announce(READY_LINE)
     try:
         while True:
             readable, _, _ = select.select(server.watched(), [], [])
-            if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+            if lifeline in readable and not os.read(lifeline, 4096):
                 return 0  # the harness is gone
             if server.wake_r in readable:
                 with contextlib.suppress(BlockingIOError):

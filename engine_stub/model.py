@@ -83,14 +83,31 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def _rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; rotate-half rotary embedding with base 10000.
+def _rotary_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, 1, head_dim // 2]` of the rotate-half rotary embedding (base 10000) at
+    `positions`: the same for every layer and for queries and keys, so computed once a step."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=dtype, device=positions.device) / half))
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # x: [T, heads, head_dim], tables from `_rotary_tables` at x's positions.
+    cos, sin = tables
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
-    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _attention_mask(q_pos: torch.Tensor, key_valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`[T, L]`: which keys query t sees (key l sits at position l): those that exist, up to its
+    own position, and within the window in SWA layers (keys at positions <= q_pos - window masked)."""
+    key_pos = torch.arange(key_valid.shape[1], device=q_pos.device)
+    mask = key_valid & (key_pos[None, :] <= q_pos[:, None])
+    if window is not None:
+        mask &= key_pos[None, :] > (q_pos[:, None] - window)
+    return mask
 
 
 def _attend(
@@ -100,6 +117,7 @@ def _attend(
     values: torch.Tensor,
     key_valid: torch.Tensor,
     window: int | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention of each query over its own key row.
 
@@ -108,11 +126,10 @@ def _attend(
         keys, values: `[T, L, heads, head_dim]`, key l of query t sits at position l.
         key_valid: `[T, L]` which keys exist at all.
         window: None for full attention, else keys at positions <= q_pos - window are masked.
+        mask: `_attention_mask(q_pos, key_valid, window)` where the caller has it already.
     """
-    key_pos = torch.arange(keys.shape[1], device=q.device)
-    mask = key_valid & (key_pos[None, :] <= q_pos[:, None])
-    if window is not None:
-        mask &= key_pos[None, :] > (q_pos[:, None] - window)
+    if mask is None:
+        mask = _attention_mask(q_pos, key_valid, window)
     scores = torch.einsum("thd,tlhd->thl", q, keys) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -153,14 +170,14 @@ class TinyHybridModel:
     def _window_of(self, layer: int) -> int | None:
         return self.config.window if self.config.layer_pattern[layer] == "S" else None
 
-    def _qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, layer: int, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         w = self.layers[layer]
         heads, head_dim = self.config.num_heads, self.config.head_dim
         h = _rms_norm(x)
         q = (h @ w["wq"]).view(-1, heads, head_dim)
         k = (h @ w["wk"]).view(-1, heads, head_dim)
         v = (h @ w["wv"]).view(-1, heads, head_dim)
-        return _rotary(q, positions), _rotary(k, positions), v
+        return _rotate(q, rotary), _rotate(k, rotary), v
 
     def _finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         w = self.layers[layer]
@@ -189,32 +206,44 @@ class TinyHybridModel:
         token_key_slots = key_slots[req_of_token]  # [T, L]
         token_key_valid = key_valid[req_of_token]
         x = self.embed[batch.input_ids]
+        # The same in every layer: computed once a step (full layers share one mask, SWA layers another).
+        rotary = _rotary_tables(batch.positions, self.config.head_dim, x.dtype)
+        masks: dict[int | None, torch.Tensor] = {}
         for layer in range(len(self.layers)):
-            q, k, v = self._qkv(layer, x, batch.positions)
+            q, k, v = self._qkv(layer, x, rotary)
             kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
             keys, values = kv_pool.get_kv(layer, token_key_slots.reshape(-1))
             shape = (*token_key_slots.shape, *keys.shape[1:])
-            attn = _attend(
-                q, batch.positions, keys.view(shape), values.view(shape), token_key_valid,
-                self._window_of(layer),
-            )
+            window = self._window_of(layer)
+            if window not in masks:
+                masks[window] = _attention_mask(batch.positions, token_key_valid, window)
+            attn = _attend(q, batch.positions, keys.view(shape), values.view(shape), token_key_valid, window,
+                           masks[window])
             x = self._finish_layer(layer, x, attn)
         last = extend_lens_t.cumsum(0) - 1
         return _rms_norm(x[last]) @ self.lm_head
 
     def _reference_hidden(self, token_ids: list[int]) -> torch.Tensor:
-        """Final hidden states of every position, recomputed from scratch (no cache)."""
+        """Final hidden states of every position, recomputed from scratch (no cache).
+
+        Every query attends over the one sequence's keys (causal, and the window in SWA layers):
+        the same scores and weights as `_attend`, which gathers a key row per query (what the
+        pools hand the engine) and costs O(n^2 * hidden) memory where this costs O(n^2 * heads)."""
         device = self.device
         n = len(token_ids)
         positions = torch.arange(n, device=device)
         x = self.embed[torch.tensor(token_ids, device=device)]
-        key_valid = torch.ones(n, n, dtype=torch.bool, device=device)
+        causal = positions[None, :] <= positions[:, None]  # [query, key]
+        rotary = _rotary_tables(positions, self.config.head_dim, x.dtype)
         for layer in range(len(self.layers)):
-            q, k, v = self._qkv(layer, x, positions)
-            keys = k[None].expand(n, *k.shape)
-            values = v[None].expand(n, *v.shape)
-            attn = _attend(q, positions, keys, values, key_valid, self._window_of(layer))
-            x = self._finish_layer(layer, x, attn)
+            q, k, v = self._qkv(layer, x, rotary)
+            mask = causal
+            window = self._window_of(layer)
+            if window is not None:
+                mask = causal & (positions[None, :] > positions[:, None] - window)
+            scores = torch.einsum("thd,lhd->htl", q, k) / math.sqrt(q.shape[-1])
+            probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+            x = self._finish_layer(layer, x, torch.einsum("htl,lhd->thd", probs, v))
         return _rms_norm(x)
 
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,13 +1,26 @@
-"""The release matrix against one `canary run` of the library, side by side, on this machine.
+"""The gate's time, side by side in one run: the library against a bare `import torch`, the release
+matrix against one library run, SGLang's server against our engine, and the server matrix against
+one server run.
 
-    python scripts/bench_matrix.py [--releases 0.5.18,0.5.19,0.5.20,0.5.23] [--jobs 2]
-        [--columns 2,3] [-k EXPR]
+    python scripts/bench_matrix.py [--releases 0.5.18,0.5.19,0.5.20,0.5.23]
+        [--server-columns 0.5.22,0.5.23,0.5.23+release-leaks-last-slot] [--jobs 2] [--columns 3]
+        [--every N] [--skip memory|server] [--rerun-native]
 
-Runs `canary run -j JOBS` once, then `canary matrix --sglang RELEASES -j JOBS --columns N` for
-each N, each into a fresh report directory, and prints each wall time and the ratio matrix /
-run (target: at most 4.0x for four releases). Needs every release's venv
-(scripts/make-sglang-venv.sh); a release without one stops it (`--no-build`). The last line
-printed is one JSON object.
+In this order, each into a fresh report directory, with the machine's load average beside each:
+
+1. `python -c "import torch"`, three times: the unit (median);
+2. `canary run -j JOBS` (our engine): its time per scenario in `import torch` units (target
+   <= 0.15); this run also stores the native results the matrices below reuse
+   (canaries/native_cache.py), as any library run does;
+3. `canary matrix --sglang RELEASES -j JOBS --columns N --no-build` (the memory path): the ratio
+   to step 2 (target <= 3.0x for native plus three or four releases);
+4. `canary run --runtime sglang-server -j JOBS`: the ratio to step 2 a scenario (target <= 3.0x);
+5. `canary matrix --runtime sglang-server --sglang SERVER_COLUMNS -j JOBS --columns N --no-build`:
+   the ratio to step 4 (target <= 3.0x for three server columns).
+
+`--every N` takes every Nth library scenario by name (1: the whole library). `--rerun-native`
+makes the matrices run their native column too. Needs every venv (scripts/make-sglang-venv.sh,
+`--server` for the server columns). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,9 +36,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "configs" / "scenarios"
 
 
-def _timed(argv: list[str], report: Path) -> float:
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _canary(argv: list[str], report: Path) -> tuple[float, dict]:
+    """Wall time of `canary ARGV --report-dir REPORT` and its matrix.json (or {})."""
     env = {**os.environ, "CANARY_PROGRESS": "plain"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "canaries.cli", *argv, "--report-dir", str(report)],
@@ -32,31 +52,83 @@ def _timed(argv: list[str], report: Path) -> float:
                           check=False)
     seconds = time.monotonic() - t0
     if proc.returncode not in (0, 1):
-        raise SystemExit(f"bench_matrix: `canary {' '.join(argv)}` exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return seconds
+        raise SystemExit(f"bench_matrix: `canary {' '.join(argv)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    doc = report / "matrix.json"
+    return seconds, json.loads(doc.read_text()) if doc.is_file() else {}
+
+
+def _verdicts(report: Path) -> dict[str, str]:
+    rows = [json.loads(line) for line in (report / "verdicts.jsonl").read_text().splitlines() if line.strip()]
+    return {r["scenario"]: r["verdict"] for r in rows if "scenario" in r}
+
+
+def _torch_unit(runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--releases", default="0.5.18,0.5.19,0.5.20,0.5.23")
+    parser.add_argument("--server-columns", default="0.5.22,0.5.23,0.5.23+release-leaks-last-slot")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--columns", default="2", help="comma-separated --columns values to time")
-    parser.add_argument("-k", dest="k", help="a scenario selection (default: the library)")
+    parser.add_argument("--columns", type=int, default=3, help="matrix columns side by side")
+    parser.add_argument("--every", type=int, default=1, help="every Nth library scenario (1: all)")
+    parser.add_argument("--skip", choices=("memory", "server"), action="append", default=[],
+                        help="leave out the memory-path matrix or both server steps")
+    parser.add_argument("--rerun-native", action="store_true", help="the matrices run their native column too")
+    parser.add_argument("--keep", metavar="DIR", help="write the reports under DIR (default: a temporary one)")
     args = parser.parse_args(argv)
-    select = ["-k", args.k] if args.k else []
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as scratch:
-        run_s = _timed(["run", "-j", str(args.jobs), *select], Path(scratch) / "run")
-        print(f"canary run -j {args.jobs}: {run_s:.1f}s", flush=True)
-        for columns in [int(c) for c in args.columns.split(",")]:
-            matrix_s = _timed(["matrix", "--sglang", args.releases, "-j", str(args.jobs), "--columns", str(columns),
-                               "--no-build", *select], Path(scratch) / f"matrix-{columns}")
-            ratio = matrix_s / run_s
-            rows.append({"columns": columns, "matrix_s": round(matrix_s, 1), "ratio": round(ratio, 2)})
-            print(f"canary matrix ({args.releases}) -j {args.jobs} --columns {columns}: {matrix_s:.1f}s = "
-                  f"{ratio:.2f}x one run (target <= 4.0x)", flush=True)
-    print(json.dumps({"bench": "matrix", "releases": args.releases, "jobs": args.jobs, "run_s": round(run_s, 1),
-                      "rows": rows}))
+    if args.every < 1 or args.jobs < 1 or args.columns < 1:
+        parser.error("--every, --jobs and --columns must be >= 1")
+    files = [str(p) for p in sorted(LIBRARY.glob("*.yaml"))[:: args.every]]
+    jobs = ["-j", str(args.jobs)]
+    matrix_flags = [*jobs, "--columns", str(args.columns), "--no-build",
+                    *(["--rerun-native"] if args.rerun_native else [])]
+    out: dict = {"bench": "gate", "jobs": args.jobs, "scenarios": len(files), "columns": args.columns}
+    with tempfile.TemporaryDirectory(prefix="bench-gate-") as scratch:
+        tmp = Path(args.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        load = _load()
+        unit = _torch_unit()
+        out["import_torch_s"] = round(unit, 3)
+        print(f"python -c 'import torch': {unit:.2f}s (median of 3; load {load})", flush=True)
+
+        load = _load()
+        run_s, _ = _canary(["run", *files, *jobs], tmp / "run")
+        per = run_s / len(files)
+        out |= {"run_s": round(run_s, 1), "run_units": round(per / unit, 3)}
+        print(f"canary run -j {args.jobs} ({len(files)} scenarios): {run_s:.1f}s, {per:.3f}s a scenario = "
+              f"{per / unit:.3f} import-torch units (target <= 0.15; load {load} -> {_load()})", flush=True)
+
+        if "memory" not in args.skip:
+            load = _load()
+            matrix_s, doc = _canary(["matrix", *files, "--sglang", args.releases, *matrix_flags], tmp / "matrix")
+            out |= {"matrix_s": round(matrix_s, 1), "matrix_ratio": round(matrix_s / run_s, 2),
+                    "matrix_native_cached": doc.get("native_cached", 0)}
+            print(f"canary matrix --sglang {args.releases}: {matrix_s:.1f}s = {matrix_s / run_s:.2f}x one run "
+                  f"(target <= 3.0x; native {doc.get('native_cached', 0)} of {len(files)} reused; "
+                  f"load {load} -> {_load()})", flush=True)
+
+        if "server" not in args.skip:
+            load = _load()
+            server_s, _ = _canary(["run", *files, *jobs, "--runtime", "sglang-server"], tmp / "server")
+            out |= {"server_s": round(server_s, 1), "server_ratio": round(server_s / run_s, 2)}
+            print(f"canary run --runtime sglang-server -j {args.jobs}: {server_s:.1f}s, "
+                  f"{server_s / len(files):.3f}s a scenario = {server_s / run_s:.2f}x our engine (target <= 3.0x; "
+                  f"load {load} -> {_load()})", flush=True)
+            load = _load()
+            smatrix_s, doc = _canary(["matrix", *files, "--runtime", "sglang-server", "--sglang",
+                                      args.server_columns, *matrix_flags], tmp / "server-matrix")
+            out |= {"server_matrix_s": round(smatrix_s, 1), "server_matrix_ratio": round(smatrix_s / server_s, 2)}
+            print(f"canary matrix --runtime sglang-server --sglang {args.server_columns}: {smatrix_s:.1f}s = "
+                  f"{smatrix_s / server_s:.2f}x one server run (target <= 3.0x; native "
+                  f"{doc.get('native_cached', 0)} of {len(files)} reused; load {load} -> {_load()})", flush=True)
+    print(json.dumps(out))
     return 0
 
 

@@ -38,6 +38,11 @@
 #      stack) and of packages whose unused parts are never imported. A venv that holds another
 #      release is refused: its closure would mix with this one's.
 #
+# A venv that does not exist yet starts as a copy of the nearest release's venv in the repo root,
+# its site-packages hard-linked (canaries/releases/clone.py; SGLANG_VENV_NO_CLONE=1 builds from
+# nothing): torch is never installed again, step 3 installs only what differs from the base and
+# removes what the candidate's lock does not name. Nothing is written to the base venv.
+#
 # Idempotent: what is installed already is left alone, the stand-ins are rebuilt only when their
 # source changes. The import check (canaries/releases/import_check.py) covers the allocator
 # modules, the memory pool, the invariants, the radix caches the release ships, and the engine's
@@ -100,6 +105,14 @@ TORCH_PIN=(
 )
 log() { printf 'make-sglang-venv: %s\n' "$*" >&2; }
 
+SCRIPT_STARTED=$SECONDS
+if [[ ! -x "$VENV/bin/python" && ! -e "$VENV" && -z "${SGLANG_VENV_NO_CLONE:-}" ]]; then
+    # A new venv starts as a hard-linked copy of the nearest release's (canaries/releases/clone.py):
+    # torch and the closure releases share are never installed again; step 3 installs only what
+    # differs and removes what the candidate's lock does not name.
+    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m canaries.releases.clone \
+        "${CANDIDATE[@]}" ${KIND:+--server} --root "$REPO_ROOT" "$VENV" >/dev/null
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     log "creating $VENV with $("$PYTHON_BIN" --version 2>&1)"
     "$PYTHON_BIN" -m venv "$VENV"
@@ -174,14 +187,18 @@ if [[ ! -f "$SHIM_DIR/libc10_cuda.so" || ! -f "$SHIM_DIR/libtorch_cuda.so" ]] \
     || ! printf '%s\n' "$STUB_SRC" | cmp -s - "$SHIM_DIR/cuda_stub.c"; then
     log "building the torchvision CUDA-library stand-ins in $SHIM_DIR"
     command -v gcc >/dev/null || { log "gcc is needed to build $SHIM_DIR"; exit 1; }
-    printf '%s\n' "$STUB_SRC" >"$SHIM_DIR/cuda_stub.c"
+    printf '%s\n' "$STUB_SRC" >"$SHIM_DIR/cuda_stub.c.tmp"
+    mv -f "$SHIM_DIR/cuda_stub.c.tmp" "$SHIM_DIR/cuda_stub.c"
     gcc -shared -fPIC -O2 -Wl,-soname,libc10_cuda.so -o "$SHIM_DIR/libc10_cuda.so.tmp" "$SHIM_DIR/cuda_stub.c"
-    printf '/* empty: every symbol _C.so needs is in libc10_cuda.so */\n' >"$SHIM_DIR/empty.c"
+    printf '/* empty: every symbol _C.so needs is in libc10_cuda.so */\n' >"$SHIM_DIR/empty.c.tmp"
+    mv -f "$SHIM_DIR/empty.c.tmp" "$SHIM_DIR/empty.c"
     gcc -shared -fPIC -Wl,-soname,libtorch_cuda.so -o "$SHIM_DIR/libtorch_cuda.so.tmp" "$SHIM_DIR/empty.c"
     mv -f "$SHIM_DIR/libc10_cuda.so.tmp" "$SHIM_DIR/libc10_cuda.so"
     mv -f "$SHIM_DIR/libtorch_cuda.so.tmp" "$SHIM_DIR/libtorch_cuda.so"
 fi
-cat >"$SHIM_DIR/__init__.py" <<'EOF'
+# Written to a new file and renamed into place, never through an existing one: in a cloned venv
+# (canaries/releases/clone.py) a file may be a hard link into its base.
+cat >"$SHIM_DIR/__init__.py.tmp" <<'EOF'
 """Let PyPI's (CUDA-built) torchvision load over a CPU-only torch; see make-sglang-venv.sh.
 
 Installed by a .pth file: a one-shot meta-path finder that, the first time `torchvision` is
@@ -230,10 +247,12 @@ def install():
     if _PreloadForTorchvision not in sys.meta_path:
         sys.meta_path.insert(0, _PreloadForTorchvision)
 EOF
-echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_shim.pth"
+mv -f "$SHIM_DIR/__init__.py.tmp" "$SHIM_DIR/__init__.py"
+echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_shim.pth.tmp"
+mv -f "$SITE/_sglang_cpu_shim.pth.tmp" "$SITE/_sglang_cpu_shim.pth"
 
 # ---- 3. sglang and its import closure (canaries/releases/closure.py) ---------------------------
 started=$SECONDS
 PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m canaries.releases.closure \
     "${CANDIDATE[@]}" --lock-dir "$REPO_ROOT/configs/sglang" "${RELOCK[@]}" "${PROFILE[@]}"
-log "$VENV ready ($((SECONDS - started))s for sglang and its closure)"
+log "$VENV ready in $((SECONDS - SCRIPT_STARTED))s ($((SECONDS - started))s for sglang and its closure)"

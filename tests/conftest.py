@@ -25,6 +25,15 @@ def _fresh_invariant_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     invariants.reset_counters()
 
 
+@pytest.fixture(autouse=True)
+def _own_native_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test (and every `canary` it starts) keeps its native runs apart (canaries/native_cache.py):
+    none is reused from another test or from the user's own runs."""
+    from canaries.native_cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("canary-cache")))
+
+
 @pytest.fixture
 def terminal_sigint() -> Callable[[], None]:
     """A `preexec_fn` for a child that a test sends Ctrl-C (canaries.conftest says why)."""

@@ -79,11 +79,13 @@ ALLOWED = {
     },
     # The warm parent imports what `python -m engine_stub` will need, then forks it.
     "engine_stub.forkserver": {
-        "engine_stub.__main__", "engine_stub.engine", "engine_stub.forkproto", "engine_stub.perturb",
-        "engine_stub.server",
+        "engine_stub.__main__", "engine_stub.engine", "engine_stub.forkproto", "engine_stub.hotpatch",
+        "engine_stub.perturb", "engine_stub.server",
     },
     # The fork server's wire protocol: torch-free, the harness reads the server with it.
     "engine_stub.forkproto": set(),
+    # A patched copy loaded into a fork parent in place: standard library only.
+    "engine_stub.hotpatch": set(),
 }
 
 

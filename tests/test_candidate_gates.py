@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from canaries.releases import SGLangSource
+from canaries.releases.clone import CLONED_FROM
 from canaries.releases.locks import read_lock
 from canaries.releases.venvs import find_python, venv_for
 
@@ -132,5 +133,37 @@ def test_tree_candidate_builds_its_venv_and_records_its_commit(tmp_path: Path) -
         column = next(c for c in doc["columns"] if c["label"].startswith("tree:"))
         assert column["provenance"]["commit"] == commit and column["provenance"]["dirty"] is False
         assert doc["scenarios"][SCENARIO][column["label"]]["verdict"] == "DETECTED"
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def test_raw_checkout_at_its_release_tag_gates_like_its_release(tmp_path: Path) -> None:
+    """A plain `git clone` of SGLang: no build step ran, so no generated sglang/_version.py; its
+    version is `git describe`'s (the release tag), and its venv starts from 0.5.23's."""
+    checkout = tmp_path / "sglang"
+    shutil.copytree(_package_dir(), checkout / "python" / "sglang",
+                    ignore=shutil.ignore_patterns("__pycache__", "_version.py"))
+    (checkout / "python" / "pyproject.toml").write_text(
+        '[project]\nname = "sglang"\ndynamic = ["version"]\ndependencies = ["numpy"]\n', encoding="utf-8")
+    (checkout / ".gitignore").write_text("__pycache__/\n", encoding="utf-8")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "v0.5.23"], check=True)
+    subprocess.run([*git, "tag", "v0.5.23"], check=True)
+    node = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    source = SGLangSource.parse(str(checkout))
+    assert source.kind == "tree" and source.version == "0.5.23"
+    venv, _ = venv_for(source)
+    try:
+        code, out, doc = _matrix(tmp_path, "--last", "0.5.23", "--candidate", str(checkout))
+        assert code == 0, out[-3000:]
+        column = next(c for c in doc["columns"] if c["label"] == "tree:sglang")
+        assert column["version"] == "0.5.23"
+        assert column["provenance"]["version_from"] == f"git describe v0.5.23-0-g{node}"
+        assert doc["scenarios"][SCENARIO]["tree:sglang"]["verdict"] == "DETECTED"
+        assert doc["gate"]["ok"] and doc["gate"]["regressions"] == []
+        assert (venv / CLONED_FROM).is_file()  # built from a release's venv: torch not installed again
     finally:
         shutil.rmtree(venv, ignore_errors=True)

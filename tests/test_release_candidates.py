@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from canaries.divergences import known_divergences
-from canaries.matrix import Cell, Column, MatrixResult
+from canaries.matrix import Cell, Column, MatrixResult, describe_provenance
 from canaries.parity import load_expectations
 from canaries.releases import (
     ReleaseError,
@@ -27,6 +27,7 @@ from canaries.releases import (
 )
 from canaries.releases.diffs import diff_sections
 from canaries.releases.patches import SGLangPatch
+from canaries.releases.versions import scm_version
 from canaries.report.matrix_html import matrix_html
 
 WHEEL = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
@@ -111,6 +112,64 @@ def test_parse_git_tree_records_commit_and_dirty(tmp_path: Path) -> None:
     (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return None\n")
     dirty = spec.provenance()
     assert dirty["commit"] == prov["commit"] and dirty["dirty"] is True and len(dirty["py_sha256"]) == 64
+
+
+# A raw checkout: SGLang's own version.py (no literal), no generated _version.py.
+RAW_VERSION_PY = (
+    "try:\n    from sglang._version import __version__\nexcept ImportError:\n"
+    "    __version__ = \"0.0.0.dev0\"\n")
+
+
+def _raw_checkout(root: Path) -> Path:
+    _tree(root)
+    (root / "python" / "sglang" / "version.py").write_text(RAW_VERSION_PY)
+    (root / ".gitignore").write_text("__pycache__/\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "release")
+    return root
+
+
+def test_parse_raw_checkout_at_its_tag_takes_the_tag_version_and_records_it(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    _git(root, "tag", "v0.5.23")
+    _git(root, "tag", "gateway-v9.9.9")  # another package's tag in SGLang's repository
+    spec = ReleaseSpec.parse(str(root))
+    assert spec.base == SGLangSource("tree", "0.5.23", str(root / "python")) and spec.version == "0.5.23"
+    prov = spec.provenance()
+    node = _git(root, "rev-parse", "--short=7", "HEAD")
+    assert prov["version_from"] == f"git describe v0.5.23-0-g{node}" and prov["dirty"] is False
+    assert f"version by git describe v0.5.23-0-g{node}" in describe_provenance(prov)
+
+
+def test_parse_raw_checkout_past_its_tag_names_the_next_dev_version(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    _git(root, "tag", "v0.5.23")
+    (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return None\n")
+    _git(root, "commit", "-qam", "a fix")
+    node = _git(root, "rev-parse", "--short=7", "HEAD")
+    assert SGLangSource.parse(str(root)).version == f"0.5.24.dev1+g{node}"
+    (root / "python" / "sglang" / "srt" / "alloc.py").write_text("def free(x):\n    return 1\n")
+    dirty = SGLangSource.parse(str(root / "python"))
+    assert dirty.version.startswith(f"0.5.24.dev1+g{node}.d") and len(dirty.version.rsplit(".d", 1)[1]) == 8
+
+
+def test_parse_raw_checkout_without_a_release_tag_says_so(tmp_path: Path) -> None:
+    root = _raw_checkout(tmp_path / "sglang")
+    with pytest.raises(ReleaseError, match="no sglang/_version.py .*`git describe` finds no release tag"):
+        ReleaseSpec.parse(str(root))
+
+
+@pytest.mark.parametrize(("tag", "distance", "dirty", "version"), [
+    ("v0.5.23", 0, False, "0.5.23"),
+    ("v0.5.23", 0, True, "0.5.23+d20260101"),
+    ("v0.5.23", 3, False, "0.5.24.dev3+gabc1234"),
+    ("0.5.24rc1", 2, True, "0.5.24rc2.dev2+gabc1234.d20260101"),
+    ("v0.5.23.post1", 1, False, "0.5.23.post2.dev1+gabc1234"),
+    ("gateway-v1.0", 1, False, None),
+])
+def test_scm_version_reads_a_description_as_setuptools_scm(tag, distance, dirty, version) -> None:
+    assert scm_version(tag, distance, "abc1234", dirty, "20260101") == version
 
 
 def test_parse_diffs_and_patches_on_any_base(tmp_path: Path, monkeypatch) -> None:
@@ -438,3 +497,48 @@ def test_matrix_candidate_spelled_like_a_listed_release_adds_no_column(capsys) -
                    "--no-build", "-k", "clean-page1-noradix"])
     err = capsys.readouterr().err
     assert code == 2 and "named twice" not in err and "make-sglang-venv.sh --version 0.0.1" in err
+
+
+def test_run_matrix_starts_each_parent_shortly_before_its_column_and_closes_it_after(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """One column at a time: a column's parent is started as the column before it starts (no
+    parent waits for long), is closed when the column is done, and a patched column's
+    interpreter is registered to fork from its release's parent."""
+    import canaries.matrix as matrix
+    import canaries.runner as runner
+    import canaries.runtime.warm as warm
+
+    events: list[tuple[str, str]] = []
+    python_of = {"0.5.20": "/venv-0.5.20/bin/python", "0.5.23": "/venv-0.5.23/bin/python"}
+    monkeypatch.setattr(matrix, "release_python", lambda source, **_: Path(python_of[source.version]))
+    monkeypatch.setattr(matrix, "patched_interpreter",
+                        lambda python, version, patches, workdir, diffs: (workdir / "bin" / "python", ""))
+    monkeypatch.setattr(matrix, "engine_sglang_version", lambda python: "0.5.20" if "0.5.20" in python else "0.5.23")
+
+    def run_many(scenarios, report_dir, **kwargs):
+        events.append(("run", kwargs.get("engine_python") or "native"))
+        return []
+
+    monkeypatch.setattr(runner, "run_many", run_many)
+    monkeypatch.setattr(warm, "prestart", lambda python, root, preload: events.append(("prestart", python)))
+    monkeypatch.setattr(warm, "close_fork_server", lambda python=None, root=None: events.append(("close", python)))
+    registered: list[tuple[str, str]] = []
+    monkeypatch.setattr(warm, "register_patched_python",
+                        lambda python, base, site: registered.append((str(python), str(base))))
+    matrix.run_matrix([], parse_releases("0.5.20,0.5.23,0.5.23+identity"), tmp_path / "m", columns_at_once=1,
+                      progress=False, reuse_native=False, log=lambda line: None)
+    patched = next(python for python, _ in registered)
+    assert registered == [(patched, python_of["0.5.23"])]
+    order = [python_of["0.5.23"], patched, python_of["0.5.20"]]  # newest first, the base before its patch
+    runs = [python for kind, python in events if kind == "run"]
+    assert runs == ["native", *order]
+    for column in order:
+        started = events.index(("prestart", column))
+        ran = events.index(("run", column))
+        closed = events.index(("close", column))
+        position = runs.index(column)
+        # started while the column before it runs (or, for the first, before anything runs), not earlier
+        earliest = events.index(("run", runs[position - 2])) if position >= 2 else 0
+        assert earliest <= started < ran < closed, events
+        # nothing of the next column's runs before this column's parent is gone
+        assert all(events.index(("run", later)) > closed for later in runs[runs.index(column) + 1:])

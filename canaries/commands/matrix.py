@@ -67,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="SGLang's side: each release's memory path under our engine (local, default) or "
                              "each release's own server (sglang-server; known divergences: configs/parity/server/)")
     matrix.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
+    matrix.add_argument("--rerun-native", action="store_true",
+                        help="run every native scenario, none reused from an earlier run of the same engine, "
+                             "harness and scenario (kept under $CANARY_CACHE_DIR, default ~/.cache/serving-canary)")
     matrix.add_argument("--report-dir", metavar="DIR", help="default: reports/matrix-<run-id>/")
     matrix.add_argument("--reruns", type=int, default=None, metavar="N",
                         help="gate: a scenario that passed on --last and fails on --candidate runs N more times "
@@ -168,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
     report = Path(args.report_dir) if args.report_dir else default_report_dir(f"matrix-{new_run_id()}")
     try:
         result = run_matrix(scenarios, releases, report, jobs=jobs, columns_at_once=args.columns,
-                            build=not args.no_build, last=last, candidate=candidate, runtime=runtime,
-                            reruns=reruns, flaky=flaky)
+                            build=not args.no_build, reuse_native=not args.rerun_native,
+                            last=last, candidate=candidate, runtime=runtime, reruns=reruns, flaky=flaky)
     except ReleaseError as exc:
         raise UsageError(str(exc)) from None
     except RunInterrupted as exc:

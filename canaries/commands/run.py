@@ -285,6 +285,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     _summary(records)
+    if (args.runtime, args.device, args.memory, args.engine_python, engine_root) == ("local", None, None, None, None):
+        from canaries.native_cache import store_run
+
+        store_run(scenarios, records, report_dir)  # what a matrix's native column would run
     regressed = False
     if args.baseline is not None:
         from canaries.report.diff import diff_runs

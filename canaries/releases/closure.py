@@ -416,6 +416,50 @@ def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log, profile: 
     return Resolution(lock, pip.installs, checks, time.monotonic() - started, seed.version if seed else "")
 
 
+# What a venv holds besides the candidate's lock when built from nothing: pip's own tools.
+VENV_TOOLS = ("pip", "setuptools", "wheel")
+
+
+def _requirement_closure(root: str) -> set[str]:
+    """`root` and every installed distribution its metadata requires, transitively (no extras)."""
+    seen, todo = set(), [root]
+    while todo:
+        dist = normalize(todo.pop())
+        if dist in seen or _installed(dist) is None:
+            continue
+        seen.add(dist)
+        for text in metadata.requires(dist) or []:
+            try:
+                req = Requirement(text)
+            except ValueError:
+                continue
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def prune(lock: Lock, log) -> list[str]:
+    """Uninstall what a cloned venv (clone.py) kept of its base that neither `lock` nor torch's
+    own requirements name: the venv then holds what one built from nothing with this lock
+    would. Returns the distributions removed."""
+    keep = set(lock.versions()) | _requirement_closure("torch") | set(VENV_TOOLS)
+    site = sysconfig.get_paths()["purelib"]  # the venv's own: not the project on PYTHONPATH
+    extra = sorted({normalize(d.metadata["Name"]) for d in metadata.distributions(path=[site])} - keep)
+    if extra:
+        log(f"removing {len(extra)} distribution(s) of the base venv the lock does not name: {' '.join(extra)}")
+        proc = subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "--disable-pip-version-check",
+                               *extra], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise ClosureError(f"could not remove {' '.join(extra)}: {_last_line(proc.stderr)}")
+    return extra
+
+
+def _cloned() -> bool:
+    from canaries.releases.clone import CLONED_FROM
+
+    return (Path(sys.prefix) / CLONED_FROM).is_file()
+
+
 def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: bool, log,
           profile: str = "memory") -> Resolution:
     """Install the candidate and its closure into this venv; reuse a lock that fits.
@@ -444,6 +488,8 @@ def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: b
         lock = read_lock(reusable)
         log(f"installing the lock {reusable.name} ({len(lock.pins)} pins, --no-deps)")
         ok, err = pip.install([r for r in lock.requirements() if not r.startswith("sglang==")], deps=False)
+        if ok and _cloned():
+            prune(lock, log)
         check = import_check(profile) if ok else {"ok": False, "error": {"message": _last_line(err)}}
         _check_torch()
         if check["ok"]:
@@ -457,6 +503,12 @@ def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: b
     log(f"resolving the closure of {identity(candidate)}"
         + (f" (first guess: {seed_path.name})" if seed_path else " (no lock to start from)"))
     resolution = resolve(candidate, seed, pip, log, profile)
+    if _cloned() and prune(resolution.lock, log):
+        check = import_check(profile)
+        if not check["ok"]:
+            error = check["error"]
+            raise ClosureError(f"after removing what the lock does not name, import {error.get('target', '?')} "
+                               f"fails: {error.get('type', '')}: {error.get('message', '')}")
     venv_lock.write_text(resolution.lock.text() + f"# built from {identity(candidate)}\n", encoding="utf-8")
     if candidate.kind == "index" and (relock or not own.is_file()):
         resolution.lock.write(own)

@@ -3,11 +3,14 @@ checkout (SGLang's repo root, or its `python/` directory).
 
     0.5.22                                   a release on the index (any PEP 440 version)
     ./dist/sglang-0.5.23-cp311-...whl        a wheel: version from its METADATA, sha256 recorded
-    ~/src/sglang  or  ~/src/sglang/python    a tree: version from sglang/version.py, git commit recorded
+    ~/src/sglang  or  ~/src/sglang/python    a tree: version from sglang/version.py (or the
+                                             _version.py a build generated, or `git describe`
+                                             in a raw checkout), git commit recorded
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import zipfile
@@ -15,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from canaries.releases.errors import ReleaseError
-from canaries.releases.provenance import file_sha256, git_state, py_sha256
-from canaries.releases.versions import canonical_version
+from canaries.releases.provenance import file_sha256, git_describe, git_state, py_sha256
+from canaries.releases.versions import canonical_version, scm_version
 
-__all__ = ["SGLangSource", "tree_root", "tree_version", "wheel_version"]
+__all__ = ["SGLangSource", "tree_root", "tree_version", "tree_version_origin", "wheel_version"]
 
 KINDS = ("index", "wheel", "tree")
 _VERSION_PY_RE = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:\w+\s*=\s*)?["']([^"']+)["']""",
@@ -61,20 +64,42 @@ def tree_root(directory: str | Path) -> Path | None:
 
 
 def tree_version(root: str | Path) -> str:
-    """The version `root/sglang/version.py` declares (canonical); ReleaseError when it has none."""
+    """The version of the checkout whose `sglang` package is in `root` (canonical); see
+    `tree_version_origin`."""
+    return tree_version_origin(root)[0]
+
+
+def tree_version_origin(root: str | Path) -> tuple[str, str]:
+    """(version, where it came from) for the checkout whose `sglang` package is in `root`: a
+    literal in `sglang/version.py`, else the `sglang/_version.py` a build generated, else (a raw
+    checkout, no build step run) `git describe` against the nearest release tag, read as
+    setuptools_scm would (`versions.scm_version`). ReleaseError when none gives a version."""
     path = Path(root) / "sglang" / "version.py"
     try:
         match = _VERSION_PY_RE.search(path.read_text(encoding="utf-8"))
+        origin = "sglang/version.py"
         # A release's version.py reads it from the sglang/_version.py its build generated.
         generated = Path(root) / "sglang" / "_version.py"
         if match is None and generated.is_file():
             match = _VERSION_PY_RE.search(generated.read_text(encoding="utf-8"))
+            origin = "sglang/_version.py"
     except OSError as exc:
         raise ReleaseError(f"tree {root}: cannot read sglang/version.py ({exc.strerror})") from None
-    version = canonical_version(match[1], local=True) if match else None
+    if match is not None:
+        version = canonical_version(match[1], local=True)
+        if version is None:
+            raise ReleaseError(f"tree {root}: {origin} declares {match[1]!r}, not a version like 0.5.23")
+        return version, origin
+    described = git_describe(root)
+    if described is None:
+        raise ReleaseError(f"tree {root}: {path} declares no valid __version__ = \"X.Y.Z\", there is no "
+                           "sglang/_version.py (no build step ran) and `git describe` finds no release "
+                           "tag (vX.Y.Z) behind its commit")
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+    version = scm_version(described.tag, described.distance, described.node, described.dirty, date)
     if version is None:
-        raise ReleaseError(f"tree {root}: {path} declares no valid __version__ = \"X.Y.Z\"")
-    return version
+        raise ReleaseError(f"tree {root}: `git describe` says {described.text!r}, whose tag is no version")
+    return version, f"git describe {described.text}"
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,8 @@ class SGLangSource:
     Args:
         kind: `index` (a release pip installs from the package index), `wheel` (a wheel file) or
             `tree` (a source checkout).
-        version: its version, canonical (the wheel's METADATA, the tree's sglang/version.py).
+        version: its version, canonical (the wheel's METADATA; the tree's sglang/version.py,
+            its generated _version.py, or `git describe` for a raw checkout).
         path: `""` for the index; the wheel file's absolute path; for a tree the absolute path
             of the directory holding the `sglang` package (a repo root's `python/`).
     """
@@ -156,12 +182,15 @@ class SGLangSource:
 
     def provenance(self) -> dict:
         """What exactly it is: kind, version, path; a wheel's sha256; a tree's git commit and
-        `dirty`, and `py_sha256` over its .py files when it is not a git tree or is dirty."""
+        `dirty`, where its version came from (`version_from`: `sglang/version.py`,
+        `sglang/_version.py` or `git describe v0.5.23-0-g1a2b3c4`), and `py_sha256` over its
+        .py files when it is not a git tree or is dirty."""
         out: dict = {"kind": self.kind, "version": self.version}
         if self.kind == "wheel":
             out |= {"path": self.path, "sha256": file_sha256(self.path)}
         elif self.kind == "tree":
             out["path"] = self.path
+            out["version_from"] = tree_version_origin(self.path)[1]
             state = git_state(self.path)
             if state is not None:
                 out |= {"commit": state[0], "dirty": state[1]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["canonical_version", "same_version", "version_key"]
+__all__ = ["canonical_version", "next_version", "same_version", "scm_version", "version_key"]
 
 _VERSION_RE = re.compile(
     r"^v?(?P<release>\d+(?:\.\d+){2,})"
@@ -73,3 +73,41 @@ def same_version(a: str, b: str) -> bool:
         return version_key(a) == version_key(b)
     except ValueError:
         return a.strip() == b.strip()
+
+
+def next_version(text: str) -> str | None:
+    """The release after `text`, as setuptools_scm's `guess-next-dev` scheme guesses it: a
+    pre-release's number goes up (`0.5.24rc1` -> `0.5.24rc2`), a post-release's too, else the
+    last release number (`0.5.23` -> `0.5.24`); None for a text that is not a version."""
+    match = _match(text, local=True)
+    if match is None:
+        return None
+    release = match["release"]
+    if match["pre"]:
+        return f"{release}{_PRE[match['pre'].lower()]}{int(match['pre_n'] or 0) + 1}"
+    if match["post"] is not None:
+        return f"{release}.post{int(match['post'] or 0) + 1}"
+    head, _, last = release.rpartition(".")
+    return f"{head}.{int(last) + 1}"
+
+
+def scm_version(tag: str, distance: int, node: str, dirty: bool, date: str) -> str | None:
+    """The version setuptools_scm's default schemes (`guess-next-dev`, `node-and-date`) give a
+    checkout `distance` commits past release tag `tag` at commit `node` (its short hash), with
+    uncommitted changes when `dirty` (`date`: YYYYMMDD), as a build of that checkout would name
+    itself; None when `tag` is no version:
+
+        at the tag, clean           0.5.23
+        at the tag, dirty           0.5.23+d20260101
+        3 commits on, clean         0.5.24.dev3+gabc1234
+        3 commits on, dirty         0.5.24.dev3+gabc1234.d20260101
+    """
+    base = canonical_version(tag)
+    if base is None or distance < 0:
+        return None
+    if distance == 0:
+        return base + (f"+d{date}" if dirty else "")
+    after = next_version(base)
+    if after is None:
+        return None
+    return canonical_version(f"{after}.dev{distance}+g{node}" + (f".d{date}" if dirty else ""), local=True)

@@ -21,6 +21,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,8 +34,9 @@ from pathlib import Path
 from canaries.runtime import safety
 from engine_stub.forkproto import SERVER_READY_LINE, ForkProtocolError, LineReader, parse_message
 
-__all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server", "has_cuda_device",
-           "prestart", "start_mode"]
+__all__ = ["ForkProtocolError", "ForkServer", "ForkServerMismatch", "PatchedForkServer", "PatchedParentRefused",
+           "START_MODES", "WarmProcess", "close_fork_server", "engine_pythonpath", "fork_server", "has_cuda_device",
+           "prestart", "register_patched_python", "start_mode"]
 
 START_MODES = ("auto", "warm", "fresh")
 PRELOAD_ENV = "ENGINE_STUB_FORKSERVER_PRELOAD"  # modules the fork server imports before forking
@@ -127,6 +129,12 @@ class WarmProcess:
         if on_exit is not None:
             on_exit(self)
 
+    def hang_up(self) -> None:
+        """Close our side of the connection for writing (the child's lifeline, if it is a
+        patched parent, reads EOF); the server's answers, its exit code among them, still come."""
+        with contextlib.suppress(OSError):
+            self._conn.shutdown(socket.SHUT_WR)
+
     def wait_ready(self, timeout: float) -> str | None:
         """The engine's ready line, or None if it exited or `timeout` passed first."""
         deadline = time.monotonic() + timeout
@@ -175,12 +183,15 @@ class ForkServer:
         env["PYTHONPATH"] = engine_pythonpath(self.engine_root, env.get("PYTHONPATH"))
         env[PRELOAD_ENV] = ",".join(self.preload)
         env.update(dict(env_overrides))
-        self.log_path = self._dir / "forkserver.log"
+        self.env = env  # what its children see unless a request says otherwise (a patched parent's)
+        self.dependents: set[PatchedForkServer] = set()  # patched parents forked from it, still serving
+        self.close_requested = False  # closed by its column while a patched parent still serves
         # Engines forked and not yet seen exit, and whether the server is retired (no new fork;
         # closed once the last of them has exited).
         self._children: set[WarmProcess] = set()
         self._children_lock = threading.Lock()
         self._retired = False
+        self.log_path = self._dir / "forkserver.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", self.module, self.socket_path],
@@ -216,39 +227,13 @@ class ForkServer:
         return self.proc.poll() is None
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
-              cwd: str | os.PathLike | None = None) -> WarmProcess:
+              cwd: str | os.PathLike | None = None, patched_site: str | None = None) -> WarmProcess:
         """Fork one engine running `python -m engine_stub ARGV`; its process handle.
 
         RuntimeError if the server refuses or does not answer within FORK_ANSWER_TIMEOUT_S
-        (ForkProtocolError, a RuntimeError, if it answers out of protocol)."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(self.socket_path)
-            request = {"argv": list(argv), "env": dict(env), "log": str(log_path),
-                       "cwd": str(cwd or os.getcwd())}
-            conn.sendall((json.dumps(request) + "\n").encode())
-            reader = LineReader()
-            lines: list[bytes] = []
-            deadline = time.monotonic() + FORK_ANSWER_TIMEOUT_S
-            while not lines:
-                left = deadline - time.monotonic()
-                readable, _, _ = select.select([conn], [], [], max(left, 0))
-                chunk = conn.recv(65536) if readable else b""
-                if not chunk:
-                    raise RuntimeError("the engine fork server did not answer a fork request "
-                                       + ("(it closed the connection)" if readable else
-                                          f"within {FORK_ANSWER_TIMEOUT_S:.0f}s"))
-                lines = reader.feed(chunk)
-            kind, value = parse_message(lines[0])
-            if kind == "error":
-                raise RuntimeError(f"the engine fork server refused: {value}")
-            if kind != "pid":
-                raise ForkProtocolError(f"the fork server's first answer must be its 'pid' "
-                                        f"message, got: {lines[0]!r}")
-        except BaseException:
-            conn.close()
-            raise
-        proc = WarmProcess(conn, int(value), reader, lines[1:], on_exit=self._child_exited)  # type: ignore[arg-type]
+        (ForkProtocolError, a RuntimeError, if it answers out of protocol). `patched_site`: fork
+        a parent for that patched mirror instead (`PatchedForkServer`)."""
+        proc = _request_fork(self.socket_path, argv, env, log_path, cwd, patched_site, on_exit=self._child_exited)
         with self._children_lock:
             if proc.returncode is None:
                 self._children.add(proc)
@@ -293,6 +278,104 @@ class ForkServer:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class PatchedParentRefused(RuntimeError):
+    """A patched copy could not be loaded into a fork of its base's parent; the message says why."""
+
+
+class PatchedForkServer:
+    """A fork parent for a patched copy of a release: a fork of the release's own warm parent
+    (`base`) with the patched files loaded in place (`engine_stub.hotpatch`), nothing imported
+    again. It speaks the same protocol on a socket of its own and lives until `close` (or until
+    the harness dies: its lifeline is our connection to `base`)."""
+
+    def __init__(self, base: ForkServer, python: str, site: str) -> None:
+        self.base = base
+        self.python = python  # the patched interpreter it stands for
+        self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
+        self.socket_path = str(self._dir / "sock")
+        self.log_path = self._dir / "forkserver.log"
+        try:
+            self.proc = base.spawn([self.socket_path], base.env, self.log_path, cwd=self._dir, patched_site=site)
+        except RuntimeError as exc:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise PatchedParentRefused(str(exc)) from None
+        line = self.proc.wait_ready(SERVER_READY_TIMEOUT_S)
+        if (line or "").strip() != SERVER_READY_LINE:
+            self.close(keep_log=True)
+            why = [ln for ln in _log_lines(self.log_path) if "cannot be loaded in place" in ln]
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise PatchedParentRefused((why or [f"no ready line (got {line!r})"])[-1])
+        base.dependents.add(self)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
+              cwd: str | os.PathLike | None = None) -> WarmProcess:
+        """As `ForkServer.spawn`, from the patched copy."""
+        return _request_fork(self.socket_path, argv, env, log_path, cwd)
+
+    def close(self, keep_log: bool = False) -> None:
+        """Stop this parent (it kills whatever engines it still has); the base's parent goes too
+        if its own column asked it to close meanwhile."""
+        self.proc.hang_up()  # its lifeline: it kills its engines and exits
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.base.dependents.discard(self)
+        if self.base.close_requested and not self.base.dependents:
+            _drop(self.base)
+            self.base.retire()
+        if not keep_log:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _log_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _request_fork(socket_path: str, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
+                  cwd: str | os.PathLike | None, patched_site: str | None = None,
+                  on_exit: Callable[[WarmProcess], None] | None = None) -> WarmProcess:
+    """Ask the fork server listening on `socket_path` for one child (see `ForkServer.spawn`)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path)
+        request = {"argv": list(argv), "env": dict(env), "log": str(log_path),
+                   "cwd": str(cwd or os.getcwd())}
+        if patched_site is not None:
+            request["patched_site"] = str(patched_site)
+        conn.sendall((json.dumps(request) + "\n").encode())
+        reader = LineReader()
+        lines: list[bytes] = []
+        deadline = time.monotonic() + FORK_ANSWER_TIMEOUT_S
+        while not lines:
+            left = deadline - time.monotonic()
+            readable, _, _ = select.select([conn], [], [], max(left, 0))
+            chunk = conn.recv(65536) if readable else b""
+            if not chunk:
+                raise RuntimeError("the engine fork server did not answer a fork request "
+                                   + ("(it closed the connection)" if readable else
+                                      f"within {FORK_ANSWER_TIMEOUT_S:.0f}s"))
+            lines = reader.feed(chunk)
+        kind, value = parse_message(lines[0])
+        if kind == "error":
+            raise RuntimeError(f"the engine fork server refused: {value}")
+        if kind != "pid":
+            raise ForkProtocolError(f"the fork server's first answer must be its 'pid' "
+                                    f"message, got: {lines[0]!r}")
+    except BaseException:
+        conn.close()
+        raise
+    return WarmProcess(conn, int(value), reader, lines[1:], on_exit=on_exit)  # type: ignore[arg-type]
+
+
 def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
@@ -306,10 +389,23 @@ def engine_pythonpath(engine_root: str | os.PathLike | None, existing: str | Non
 
 
 _ServerKey = tuple[str, "str | None", tuple[str, ...], str, tuple[tuple[str, str], ...]]
-_SERVERS: dict[_ServerKey, ForkServer] = {}
+_SERVERS: dict[_ServerKey, ForkServer | PatchedForkServer] = {}
+_SERVER_LOCK = threading.Lock()  # guards _SERVERS and _STARTING only, never held over a start
+_STARTING: dict[_ServerKey, threading.Lock] = {}  # one start at a time per key, others in parallel
 _RETIRED: set[ForkServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
-_SERVER_LOCK = threading.Lock()
 _RETIRED_LOCK = threading.Lock()
+# A patched interpreter (canaries.releases.patches.patched_interpreter) -> the release's own
+# interpreter and the patched mirror it puts first on the path.
+_PATCHED: dict[str, tuple[str, str]] = {}
+
+
+def register_patched_python(python: str | os.PathLike, base: str | os.PathLike, site: str | os.PathLike) -> None:
+    """Say that interpreter `python` is `base` with the patched mirror `site` first on its path:
+    its warm parent is then a fork of `base`'s with the patch loaded in place
+    (`PatchedForkServer`), not a parent importing everything again; one that cannot load the
+    patch in place falls back to a parent of its own, saying why on stderr."""
+    with _SERVER_LOCK:
+        _PATCHED[str(python)] = (str(base), str(site))
 
 
 def _key(python: str | None, engine_root: str | os.PathLike | None, preload: tuple[str, ...] = (),
@@ -318,23 +414,58 @@ def _key(python: str | None, engine_root: str | os.PathLike | None, preload: tup
             module, tuple(sorted((env or {}).items())))
 
 
+def _drop(server: ForkServer | PatchedForkServer) -> None:
+    with _SERVER_LOCK:
+        for key in [k for k, v in _SERVERS.items() if v is server]:
+            del _SERVERS[key]
+
+
 def fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None,
                 preload: tuple[str, ...] = (), module: str = ENGINE_FORK_SERVER,
-                env: dict[str, str] | None = None) -> ForkServer:
+                env: dict[str, str] | None = None) -> ForkServer | PatchedForkServer:
     """This process's fork server for `python`, the engine sources under `engine_root` (None:
     this checkout's), the extra modules to `preload`, the server `module` and its `env`, started
-    on first use (and again if it died)."""
+    on first use (and again if it died). A patched interpreter (`register_patched_python`), or
+    another copy of the engine's sources (`engine_root`), gets a fork of the release's (this
+    checkout's) server with the changes loaded in place where that can be done."""
     key = _key(python, engine_root, preload, module, env)
     with _SERVER_LOCK:
-        server = _SERVERS.get(key)
-        if server is not None and not server.alive:
+        starting = _STARTING.setdefault(key, threading.Lock())
+    with starting:  # a start takes seconds: other keys' servers stay usable meanwhile
+        with _SERVER_LOCK:
+            server = _SERVERS.get(key)
+        if server is not None and server.alive:
+            if isinstance(server, ForkServer):
+                server.close_requested = False  # wanted again before its patched parents finished
+            return server
+        if server is not None:
+            _drop(server)
             server.close()
-            server = None
-        if server is None:
-            if safety.stopping():  # a Ctrl-C: no new fork server (seconds of imports) for nothing
-                raise safety.Stopping("the run is stopping: no fork server is started")
-            server = _SERVERS[key] = ForkServer(*key)
+        if safety.stopping():  # a Ctrl-C: no new fork server (seconds of imports) for nothing
+            raise safety.Stopping("the run is stopping: no fork server is started")
+        server = _start(key)
+        with _SERVER_LOCK:
+            _SERVERS[key] = server
         return server
+
+
+def _start(key: _ServerKey) -> ForkServer | PatchedForkServer:
+    python, engine_root, preload, module, env = key
+    patched = _PATCHED.get(python)
+    if patched is None and engine_root is not None and Path(engine_root, "engine_stub").is_dir():
+        # Another copy of the engine's sources (a planted regression, a mutant): loaded into a
+        # fork of this checkout's parent where only function bodies differ.
+        patched = (python, engine_root)
+        engine_root = None
+    if patched is not None:
+        base_python, site = patched
+        base = fork_server(base_python, engine_root, preload, module, dict(env))
+        try:
+            return PatchedForkServer(base, python, site)  # type: ignore[arg-type]
+        except PatchedParentRefused as exc:
+            print(f"canary: {python} gets a warm parent of its own (its patch cannot be loaded into a fork "
+                  f"of {base_python}'s: {exc})", file=sys.stderr, flush=True)
+    return ForkServer(*key)
 
 
 def close_fork_server(python: str | None = None, engine_root: str | os.PathLike | None = None) -> None:
@@ -342,12 +473,20 @@ def close_fork_server(python: str | None = None, engine_root: str | os.PathLike 
     its scenarios are done, or a matrix column's): the next `fork_server` call starts a new one,
     and each retired server stops once the engines it forked have exited. Engines of it that
     others still use are never killed under them (a column that ends while another column's
-    oracle has a clean server of the same release running)."""
+    oracle has a reference server of the same release running). A release's server that patched
+    parents still fork from retires when the last of them closes."""
     want = _key(python, engine_root)[:2]
     with _SERVER_LOCK:
-        servers = [_SERVERS.pop(key) for key in list(_SERVERS) if key[:2] == want]
+        servers = [server for key, server in _SERVERS.items() if key[:2] == want]
     for server in servers:
-        server.retire()
+        if isinstance(server, ForkServer) and server.dependents:
+            server.close_requested = True
+            continue
+        _drop(server)
+        if isinstance(server, ForkServer):
+            server.retire()
+        else:
+            server.close()
 
 
 def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None,
@@ -367,5 +506,6 @@ def _close_servers() -> None:
     with _SERVER_LOCK, _RETIRED_LOCK:
         servers = [*_SERVERS.values(), *_RETIRED]
         _SERVERS.clear()
-    for server in servers:
+    # Patched parents first: each may close its base on the way.
+    for server in sorted(servers, key=lambda s: not isinstance(s, PatchedForkServer)):
         server.close()

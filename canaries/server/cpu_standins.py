@@ -106,9 +106,9 @@ PINNED_FACTORIES = ("empty", "zeros", "ones", "full", "tensor")
 
 def install() -> None:
     """Provide `sgl_kernel`'s CPU ops where no `sgl_kernel` is importable, a CPU stream that takes
-    a device, unpinned host buffers where torch has no accelerator, and the torch_native attention
-    backend's SWA reads through the mapping (`translate_swa_reads`) once SGLang imports it
-    (idempotent)."""
+    a device, unpinned host buffers where torch has no accelerator, the torch_native attention
+    backend's SWA reads through the mapping (`translate_swa_reads`) and the KV canary's verify over
+    all slots at once (`canary_verify`) once SGLang imports them (idempotent)."""
     if not isinstance(torch.cpu.Stream, type) or not issubclass(torch.cpu.Stream, _DeviceTolerantCpuStream):
         torch.cpu.Stream = _DeviceTolerantCpuStream
     if not torch.cuda.is_available():
@@ -123,6 +123,11 @@ def install() -> None:
 
     after_import("sglang.srt.layers.attention.torch_native_backend",
                  lambda module: translate_swa_reads(module.TorchNativeAttnBackend))
+    # SGLang's KV-canary verify on a CPU, over all slots at once (byte for byte its reference's).
+    from canaries.server import canary_verify
+
+    after_import("sglang.kernels.ops.kv_canary.verify_ref", canary_verify.install)
+    after_import("sglang.kernels.ops.kv_canary.write_ref", canary_verify.install_write)
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
         return
     module = types.ModuleType("sgl_kernel")
