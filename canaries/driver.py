@@ -340,7 +340,7 @@ def _hold(session: requests.Session, base_url: str, rid: str, waits_for: str) ->
 
 class Lockstep(Protocol):
     """The driver's notes to an engine's lockstep gate kept outside HTTP (SGLang's server:
-    `canaries.server.lockstep.GateNotes`): the plan first, then what only the driver knows."""
+    `canaries.sglang.server.lockstep.GateNotes`): the plan first, then what only the driver knows."""
 
     def planned(self, plan: Sequence[Planned], concurrency: int) -> None: ...
     def hold(self, rid: str, waits_for: str) -> None: ...

@@ -216,32 +216,6 @@ class _Oracle:
         return self._mismatches, self._error
 
 
-def server_answer_mismatches(spec: dict, plan: list[Planned], run_dir: Path, workload: Any, seed: int,
-                             patience: Patience, responses: list[dict],
-                             reference: Any = None) -> tuple[list[dict], str | None]:
-    """`responses` (a run on SGLang's server) against `reference`'s clean answers (default: the
-    plain server of the release the run's spec ran): (mismatches, error)."""
-    from canaries.server.oracle import clean_answers, mismatches
-
-    try:
-        if reference is None:
-            reference = _default_reference(spec)
-        return mismatches(clean_answers(reference, spec, plan, run_dir, workload, seed, patience), responses), None
-    except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
-        return [], f"the reference's answers failed: {type(exc).__name__}: {exc}"
-
-
-def _default_reference(spec: dict, python: str | None = None) -> Any:
-    """The plain server of the release `python` (default: the server venv's) runs."""
-    from canaries.releases.venvs import find_python, installed_version
-    from canaries.server.oracle import ServerReference
-
-    python = python or str(find_python("0.5.23", server=True) or "")
-    if not python:
-        raise RuntimeError("no venv runs SGLang's server here: bash scripts/make-sglang-venv.sh --server")
-    return ServerReference.of_release(python, installed_version(Path(python)) or "?")
-
-
 # ---- one scenario ----------------------------------------------------------------------------------
 
 
@@ -296,7 +270,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _refuse_sglang_knobs(spec: dict, runtime: str, run_dir: Path) -> None:
     """A perturbation `via: sglang_knob` is SGLang's own knob: only its server has it. Elsewhere
     the run is refused up front (INCONCLUSIVE, counted unsupported by `canary parity`)."""
-    from canaries.parity import UNSUPPORTED_NOTE
+    from canaries.sglang.parity import UNSUPPORTED_NOTE
 
     if runtime == "sglang-server":
         return
@@ -322,13 +296,13 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     `engine_root`: a directory holding the `engine_stub/` to run instead of this checkout's
     (a mutant, another commit). `memory` overrides the scenario's memory backend (native|sglang)
     and `engine_python` the interpreter the engine runs under (a venv with sglang; local runtime).
-    `reference` (sglang-server): whose clean answers judge the run (`canaries.server.oracle.
+    `reference` (sglang-server): whose clean answers judge the run (`canaries.sglang.oracle.
     ServerReference`; default: the plain server of the release under test).
     The run dir keeps a copy of the scenario file as it ran
     (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
-    from canaries.parity import UNSUPPORTED_NOTE
     from canaries.runtime import get_runtime
+    from canaries.sglang.parity import UNSUPPORTED_NOTE
     from canaries.verdict import Observation, judge
 
     run_dir = Path(run_dir)
@@ -376,10 +350,10 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
             raise _Cancelled
         _refuse_sglang_knobs(spec, runtime, run_dir)
         if runtime == "sglang-server":
-            from canaries.server.oracle import ServerAnswerOracle
+            from canaries.sglang.oracle import ServerAnswerOracle, ServerReference
 
             oracle = ServerAnswerOracle(scenario, spec, plan, run_dir, patience or patience_for(workload, rt),
-                                        reference or _default_reference(spec, getattr(rt, "python", None)))
+                                        reference or ServerReference.default(getattr(rt, "python", None)))
         base_url = rt.start(spec_path, run_dir)
         mark("start")
         if _CANCEL.is_set():  # an engine that started as the run stopped

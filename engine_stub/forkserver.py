@@ -361,7 +361,7 @@ def serve(socket_path: str, main: Callable[[list[str]], int] = engine_main, *, l
     default) reads EOF; 0 on a clean exit.
 
     Each child runs `main(argv)` (the engine's by default; SGLang's server for
-    `canaries.server.fork_parent`) and exits with what it returns. `announce` says the server is
+    `canaries.sglang.server.fork_parent`) and exits with what it returns. `announce` says the server is
     ready (default: the ready line on stdout); `keep`: sockets every child must close;
     `children_die_with_it`: each child is SIGKILLed if this server dies (a patched parent, which its
     own parent may SIGKILL before it can stop its children)."""

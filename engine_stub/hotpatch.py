@@ -2,7 +2,7 @@
 
 A fork parent (`engine_stub.forkserver`) that has torch and SGLang imported serves a patched
 release's engines from a fork of itself: the fork calls `apply(site)`, where `site` is a mirror of
-the package (`canaries.releases.patches.patch_mirror`: the patched files real, everything else a
+the package (`canaries.sglang.releases.patches.patch_mirror`: the patched files real, everything else a
 symlink to the installed file), or a full copy of it (an `engine_root`: the engine's sources with
 catalogue regressions applied, whose untouched files are skipped). For each patched file:
 

@@ -46,9 +46,9 @@ def controls(name_filter: str | None) -> list[tuple[Path, dict]]:
 
 def _server_divergences() -> dict[str, tuple[str, ...]]:
     """{control: the verdicts its recorded divergence allows} on the server venv's release."""
-    from canaries.divergences import known_divergences
-    from canaries.parity import SERVER_PARITY_DIR, engine_sglang_version, recorded_verdicts
-    from canaries.releases.venvs import find_python
+    from canaries.sglang.divergences import known_divergences
+    from canaries.sglang.parity import SERVER_PARITY_DIR, engine_sglang_version, recorded_verdicts
+    from canaries.sglang.releases.venvs import find_python
 
     python = find_python("0.5.23", server=True)
     if python is None:

@@ -27,7 +27,7 @@
 #      that preloads them, with torchvision's bundled libcudart, the first time `torchvision` is
 #      imported. torchvision itself stays the real package, CPU kernels included. Needs gcc.
 #   3. sglang with --no-deps (its metadata asks for flashinfer, CUDA kernels, ...), then its
-#      import closure, found by canaries/releases/closure.py (no hand-written pins): with a lock
+#      import closure, found by canaries/sglang/releases/closure.py (no hand-written pins): with a lock
 #      for this candidate (configs/sglang/X.lock for a release, kept in the repo for the
 #      releases CI runs; the venv's own sglang-closure.lock for a wheel or tree) it installs the
 #      lock --no-deps and checks it imports; without one it resolves the closure from the
@@ -39,12 +39,12 @@
 #      release is refused: its closure would mix with this one's.
 #
 # A venv that does not exist yet starts as a copy of the nearest release's venv in the repo root,
-# its site-packages hard-linked (canaries/releases/clone.py; SGLANG_VENV_NO_CLONE=1 builds from
+# its site-packages hard-linked (canaries/sglang/releases/clone.py; SGLANG_VENV_NO_CLONE=1 builds from
 # nothing): torch is never installed again, step 3 installs only what differs from the base and
 # removes what the candidate's lock does not name. Nothing is written to the base venv.
 #
 # Idempotent: what is installed already is left alone, the stand-ins are rebuilt only when their
-# source changes. The import check (canaries/releases/import_check.py) covers the allocator
+# source changes. The import check (canaries/sglang/releases/import_check.py) covers the allocator
 # modules, the memory pool, the invariants, the radix caches the release ships, and the engine's
 # own modules and HTTP stack; the script prints what it resolved and how long it took.
 set -euo pipefail
@@ -107,10 +107,10 @@ log() { printf 'make-sglang-venv: %s\n' "$*" >&2; }
 
 SCRIPT_STARTED=$SECONDS
 if [[ ! -x "$VENV/bin/python" && ! -e "$VENV" && -z "${SGLANG_VENV_NO_CLONE:-}" ]]; then
-    # A new venv starts as a hard-linked copy of the nearest release's (canaries/releases/clone.py):
+    # A new venv starts as a hard-linked copy of the nearest release's (canaries/sglang/releases/clone.py):
     # torch and the closure releases share are never installed again; step 3 installs only what
     # differs and removes what the candidate's lock does not name.
-    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m canaries.releases.clone \
+    PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON_BIN" -m canaries.sglang.releases.clone \
         "${CANDIDATE[@]}" ${KIND:+--server} --root "$REPO_ROOT" "$VENV" >/dev/null
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -197,7 +197,7 @@ if [[ ! -f "$SHIM_DIR/libc10_cuda.so" || ! -f "$SHIM_DIR/libtorch_cuda.so" ]] \
     mv -f "$SHIM_DIR/libtorch_cuda.so.tmp" "$SHIM_DIR/libtorch_cuda.so"
 fi
 # Written to a new file and renamed into place, never through an existing one: in a cloned venv
-# (canaries/releases/clone.py) a file may be a hard link into its base.
+# (canaries/sglang/releases/clone.py) a file may be a hard link into its base.
 cat >"$SHIM_DIR/__init__.py.tmp" <<'EOF'
 """Let PyPI's (CUDA-built) torchvision load over a CPU-only torch; see make-sglang-venv.sh.
 
@@ -251,8 +251,8 @@ mv -f "$SHIM_DIR/__init__.py.tmp" "$SHIM_DIR/__init__.py"
 echo "import _sglang_cpu_shim; _sglang_cpu_shim.install()" >"$SITE/_sglang_cpu_shim.pth.tmp"
 mv -f "$SITE/_sglang_cpu_shim.pth.tmp" "$SITE/_sglang_cpu_shim.pth"
 
-# ---- 3. sglang and its import closure (canaries/releases/closure.py) ---------------------------
+# ---- 3. sglang and its import closure (canaries/sglang/releases/closure.py) ---------------------------
 started=$SECONDS
-PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m canaries.releases.closure \
+PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m canaries.sglang.releases.closure \
     "${CANDIDATE[@]}" --lock-dir "$REPO_ROOT/configs/sglang" "${RELOCK[@]}" "${PROFILE[@]}"
 log "$VENV ready in $((SECONDS - SCRIPT_STARTED))s ($((SECONDS - started))s for sglang and its closure)"

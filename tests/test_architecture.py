@@ -174,3 +174,20 @@ def test_author_loop_module_imports_no_torch_at_import(path: Path) -> None:
     names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
     assert not {n for n in names if n.split(".")[0] == "torch"}, f"{_module_name(path)} imports torch"
+
+
+@pytest.mark.parametrize("path", _modules("canaries/sglang/server"), ids=_module_name)
+def test_code_loaded_into_sglangs_processes_imports_no_other_part_of_the_suite(path: Path) -> None:
+    """canaries/sglang/server/ runs inside SGLang's own processes (its server venv): beside the
+    standard library, torch and sglang it may import only engine_stub and its own package."""
+    suite = {name for name in _imports(path) if name.startswith("canaries")}
+    bad = {name for name in suite if not name.startswith("canaries.sglang.server")}
+    assert not bad, f"{_module_name(path)} imports {sorted(bad)}"
+
+
+def test_the_suite_names_sglang_only_inside_its_sglang_package() -> None:
+    """Everything that faces SGLang is in canaries/sglang/ (a reader sees our engine, SGLang, and
+    the harness that drives either): nowhere else in the suite imports sglang."""
+    offenders = [_module_name(p) for p in SUITE_FILES if "sglang" not in p.relative_to(ROOT).parts[:2]
+                 and any(name.split(".")[0] == "sglang" for name in _imports(p))]
+    assert not offenders, offenders

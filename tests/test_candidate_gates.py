@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases import SGLangSource
-from canaries.releases.clone import CLONED_FROM
-from canaries.releases.locks import read_lock
-from canaries.releases.venvs import find_python, venv_for
+from canaries.sglang.releases import SGLangSource
+from canaries.sglang.releases.clone import CLONED_FROM
+from canaries.sglang.releases.locks import read_lock
+from canaries.sglang.releases.venvs import find_python, venv_for
 
 REPO = Path(__file__).resolve().parents[1]
 REVERT_DIFF = REPO / "configs" / "sglang" / "diffs" / "revert-pr-36723-0.5.23.diff"

@@ -1,4 +1,4 @@
-"""The import closure resolver and its lock files (canaries/releases/closure.py, locks.py).
+"""The import closure resolver and its lock files (canaries/sglang/releases/closure.py, locks.py).
 
 Unit tests drive the resolver's decisions with a recording pip (no venv, no network); the
 end-to-end resolution of a real release without its lock runs in a release venv and is in
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from canaries.releases.closure import ClosureError, Resolver
-from canaries.releases.locks import Lock, LockPin, nearest_lock, read_lock
+from canaries.sglang.releases.closure import ClosureError, Resolver
+from canaries.sglang.releases.locks import Lock, LockPin, nearest_lock, read_lock
 
 REPO = Path(__file__).resolve().parents[1]
 LOCKS = REPO / "configs" / "sglang"

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 
 from canaries.cli import main as canary
-from canaries.matrix import Cell, Column, MatrixResult, gate
-from canaries.releases import (
+from canaries.sglang.matrix import Cell, Column, MatrixResult, gate
+from canaries.sglang.matrix_html import matrix_html
+from canaries.sglang.releases import (
     ReleaseError,
     ReleaseSpec,
     SGLangSource,
     parse_releases,
     patched_interpreter,
 )
-from canaries.releases.patches import SGLangPatch
-from canaries.releases.venvs import find_python
-from canaries.report.matrix_html import matrix_html
+from canaries.sglang.releases.patches import SGLangPatch
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 # Every release CI builds a venv for; 0.5.21 and 0.5.22 were never pinned by hand (their closures
@@ -120,7 +120,7 @@ def test_patched_interpreter_edits_a_copy_never_the_release(tmp_path: Path, monk
     site = _fake_release(tmp_path, "def free(x):\n    check(x)\n    return x\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
     patch = SGLangPatch("drop-check", "srt/alloc.py", "    check(x)\n", "", "the check removed")
-    monkeypatch.setattr("canaries.releases.patches._CATALOGUE", (patch,))
+    monkeypatch.setattr("canaries.sglang.releases.patches._CATALOGUE", (patch,))
     wrapper, diff = patched_interpreter(Path(sys.executable), "0.0.1", ("drop-check",), tmp_path / "w")
     assert "-    check(x)" in diff
     assert "check(x)" in (site / "sglang" / "srt" / "alloc.py").read_text()  # the release untouched
@@ -134,7 +134,7 @@ def test_patched_interpreter_refuses_a_snippet_that_does_not_match(tmp_path: Pat
     site = _fake_release(tmp_path, "def free(x):\n    return x\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
     patch = SGLangPatch("drop-check", "srt/alloc.py", "    check(x)\n", "", "the check removed")
-    monkeypatch.setattr("canaries.releases.patches._CATALOGUE", (patch,))
+    monkeypatch.setattr("canaries.sglang.releases.patches._CATALOGUE", (patch,))
     with pytest.raises(ReleaseError, match="occurs 0 times in SGLang 0.0.1's srt/alloc.py"):
         patched_interpreter(Path(sys.executable), "0.0.1", ("drop-check",), tmp_path / "w")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases.venvs import find_python
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = [REPO / "configs" / "scenarios" / f"{name}.yaml"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from canaries.parity import compare, lost_sglang_hits
+from canaries.sglang.parity import compare, lost_sglang_hits
 
 SGLANG_LINE = "invariant-check [swa.peer_released@rank0]: +5 hit(s), 5 total. is_true: caller wants free\n"
 
@@ -38,7 +38,7 @@ def test_compare_marks_lost_hits_unexplained_even_with_the_same_verdict() -> Non
 
 
 def test_compare_marks_a_release_refusal_unsupported_not_unexplained(tmp_path: Path) -> None:
-    from canaries.parity import unsupported_reason
+    from canaries.sglang.parity import unsupported_reason
 
     tmp_path.joinpath("engine.log").write_text(
         "Traceback ...\nengine_stub.mem.sglang_backend.ReleaseUnsupported: SGLang 0.5.18's paged "
@@ -57,7 +57,7 @@ def _write_side(report: Path, side: str, rows: list[dict]) -> None:
 
 
 def test_rejudge_reads_a_report_back_and_counts_a_server_refusal_unsupported(tmp_path: Path) -> None:
-    from canaries.parity import rejudge
+    from canaries.sglang.parity import rejudge
 
     base = {"firings": [], "latency": {}, "passed": True}
     _write_side(tmp_path, "native", [{**base, "scenario": "a", "verdict": "CLEAN"},

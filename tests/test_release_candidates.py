@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from canaries.divergences import known_divergences
-from canaries.matrix import Cell, Column, MatrixResult, describe_provenance
-from canaries.parity import load_expectations
-from canaries.releases import (
+from canaries.sglang.divergences import known_divergences
+from canaries.sglang.matrix import Cell, Column, MatrixResult, describe_provenance
+from canaries.sglang.matrix_html import matrix_html
+from canaries.sglang.parity import load_expectations
+from canaries.sglang.releases import (
     ReleaseError,
     ReleaseSpec,
     SGLangSource,
@@ -25,10 +26,9 @@ from canaries.releases import (
     patch_mirror,
     patched_interpreter,
 )
-from canaries.releases.diffs import diff_sections
-from canaries.releases.patches import SGLangPatch
-from canaries.releases.versions import scm_version
-from canaries.report.matrix_html import matrix_html
+from canaries.sglang.releases.diffs import diff_sections
+from canaries.sglang.releases.patches import SGLangPatch
+from canaries.sglang.releases.versions import scm_version
 
 WHEEL = "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
 
@@ -368,7 +368,7 @@ def test_apply_bad_diff_raises_naming_it(tmp_path: Path, text: str, message: str
 def test_patched_interpreter_runs_catalogue_patch_then_diff(tmp_path: Path, monkeypatch) -> None:
     package = _package(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(package.parent))
-    monkeypatch.setattr("canaries.releases.patches._CATALOGUE",
+    monkeypatch.setattr("canaries.sglang.releases.patches._CATALOGUE",
                         (SGLangPatch("drop-check", "srt/alloc.py", "    check(x)\n", "", "the check removed"),))
     diff = _write(tmp_path, "limit.diff", "--- sglang/srt/other.py\n+++ sglang/srt/other.py\n"
                                           "@@ -2 +2 @@\n-LIMIT = 1\n+LIMIT = 7\n")
@@ -470,7 +470,7 @@ def test_matrix_reports_say_what_each_column_ran(tmp_path: Path) -> None:
 
 
 def test_run_matrix_builds_one_venv_per_base_source(tmp_path: Path, monkeypatch) -> None:
-    import canaries.matrix as matrix
+    import canaries.sglang.matrix as matrix
 
     asked: list[object] = []
 
@@ -504,9 +504,9 @@ def test_run_matrix_starts_each_parent_shortly_before_its_column_and_closes_it_a
     """One column at a time: a column's parent is started as the column before it starts (no
     parent waits for long), is closed when the column is done, and a patched column's
     interpreter is registered to fork from its release's parent."""
-    import canaries.matrix as matrix
     import canaries.runner as runner
     import canaries.runtime.warm as warm
+    import canaries.sglang.matrix as matrix
 
     events: list[tuple[str, str]] = []
     python_of = {"0.5.20": "/venv-0.5.20/bin/python", "0.5.23": "/venv-0.5.23/bin/python"}

@@ -1,4 +1,4 @@
-"""SGLang's KV-canary verify, vectorized (canaries/server/canary_verify.py), against SGLang's own torch
+"""SGLang's KV-canary verify, vectorized (canaries/sglang/server/canary_verify.py), against SGLang's own torch
 reference on the same inputs: the same violation rows in the same order, counters and ring; the
 real-K/V fingerprint slot by slot; and the write reference with its fingerprints folded at once
 against the reference as it is (the same canary buffer, ring and counters).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases.venvs import find_python
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = find_python("0.5.23", server=True)
@@ -28,7 +28,7 @@ CHECK = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from sglang.kernels.ops.kv_canary import consts, verify_ref
     from sglang.kernels.ops.kv_canary.verify import RealKvSource, VerifyOrWriteContext, VerifyPlan
-    from canaries.server.canary_verify import splitmix64, verify
+    from canaries.sglang.server.canary_verify import splitmix64, verify
 
     rng = random.Random(7)
     U64 = (1 << 64) - 1
@@ -106,7 +106,7 @@ CHECK = textwrap.dedent("""
         return out[0][1][0] - 1
 
     # The real-K/V fingerprint itself, slot by slot, against the reference's scalar fold.
-    from canaries.server.canary_verify import _real_kv_hashes
+    from canaries.sglang.server.canary_verify import _real_kv_hashes
     for page in (1, 16):
         for mode in (consts.RealKvHashMode.PARTIAL, consts.RealKvHashMode.ALL):
             k = torch.randn(32, page * 64 // 4)
@@ -121,7 +121,7 @@ CHECK = textwrap.dedent("""
             assert got == want, (page, mode)
 
     # The write reference with its fingerprints folded at once: the same buffer and ring.
-    from canaries.server.canary_verify import install_write
+    from canaries.sglang.server.canary_verify import install_write
     from sglang.kernels.ops.kv_canary import write_ref
     from sglang.kernels.ops.kv_canary.write import WritePlan
 

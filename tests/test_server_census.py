@@ -1,4 +1,4 @@
-"""The suite's census inside SGLang's scheduler (canaries/server/census.py): what SGLang's own
+"""The suite's census inside SGLang's scheduler (canaries/sglang/server/census.py): what SGLang's own
 checks cannot see on its real server, and the planted regressions it kills there.
 
 Needs SGLang 0.5.23's server venv (`bash scripts/make-sglang-venv.sh --server`); each test skips,
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases.venvs import find_python
 from canaries.runner import run_scenario
 from canaries.scenario import load_scenario
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "configs" / "scenarios"
@@ -32,7 +32,7 @@ def _server_python() -> Path:
 
 
 def test_catalogue_patches_apply_once_to_the_installed_release(tmp_path: Path) -> None:
-    from canaries.releases.patches import package_dir, patch_catalogue
+    from canaries.sglang.releases.patches import package_dir, patch_catalogue
 
     package = package_dir(_server_python())
     for patch in patch_catalogue().values():
@@ -69,7 +69,7 @@ def _gate(report: Path, scenario: Path, candidate: str, census: str) -> tuple[in
 
 
 def test_census_fails_the_gate_on_a_lock_leak_sglangs_own_checks_pass(tmp_path: Path) -> None:
-    """`relock-same-node-leaks` (canaries/releases/patches.py): an insert that adds no page leaves
+    """`relock-same-node-leaks` (canaries/sglang/releases/patches.py): an insert that adds no page leaves
     its node locked twice, and one lock outlives the request. No answer changes and SGLang's idle
     ledger balances (the node is protected instead of evictable): with SGLang's checks alone the
     gate passes; with the census it fails, naming the control and census.lock_count."""

@@ -1,4 +1,4 @@
-"""The lockstep gate on SGLang's server (canaries/server/lockstep.py): the driver's notes in the
+"""The lockstep gate on SGLang's server (canaries/sglang/server/lockstep.py): the driver's notes in the
 gate file, the scheduler's side holding the plan's requests back until the driver has in flight
 what it keeps there; here with stand-ins for SGLang's messages, then on the real server."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from canaries.driver import Planned
-from canaries.server.lockstep import GateNotes, LockstepGate
+from canaries.sglang.server.lockstep import GateNotes, LockstepGate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,9 +114,9 @@ def test_without_a_plan_everything_passes_at_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_timing_dependent_scenario_gives_the_same_admissions_and_verdict_on_a_loaded_server(tmp_path):
-    from canaries.releases.venvs import find_python
     from canaries.runner import run_scenario
     from canaries.scenario import load_scenario
+    from canaries.sglang.releases.venvs import find_python
     from engine_stub.events import read_events
 
     if find_python("0.5.23", server=True) is None:

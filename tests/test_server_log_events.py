@@ -1,10 +1,10 @@
-"""SGLang's log lines read as the suite's events (canaries/server/log_events.py): the lines below
+"""SGLang's log lines read as the suite's events (canaries/sglang/server/log_events.py): the lines below
 are SGLang 0.5.23's, as its server wrote them on this machine's CPU."""
 
 from __future__ import annotations
 
-from canaries.server.knobs import KNOB_INDEX_ENV
-from canaries.server.log_events import events_of_line, events_of_record
+from canaries.sglang.server.knobs import KNOB_INDEX_ENV
+from canaries.sglang.server.log_events import events_of_line, events_of_record
 from canaries.verdict.record import detector_of
 
 CANARY_LINE = ("[2026-12-03 10:02:11] kv_canary violation: launch_tag=HEAD_K_FULL "
@@ -54,7 +54,7 @@ def test_plugin_writes_sglang_records_as_events_stamped_with_the_scheduler_step(
     import json
     import logging
 
-    from canaries.server import scheduler_plugin
+    from canaries.sglang.server import scheduler_plugin
 
     class FakeScheduler:
         def __init__(self) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from canaries.cli import main as canary
-from canaries.releases.venvs import find_python
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "configs" / "scenarios"
@@ -78,7 +78,7 @@ def test_rejudge_of_a_directory_that_is_no_matrix_report_is_a_usage_error(tmp_pa
 @pytest.mark.timeout(900)
 def test_server_gate_fails_on_planted_regressions_that_unmodified_release_passes(tmp_path: Path) -> None:
     """The gate on servers, last = 0.5.23 as released, candidate = 0.5.23 with two planted
-    regressions (canaries/releases/patches.py): `release-leaks-last-slot` (request level, only
+    regressions (canaries/sglang/releases/patches.py): `release-leaks-last-slot` (request level, only
     SGLang's own scheduler runs it: the control's idle check reports the leaked slot) and
     `free-swa-contract-removed` (PR #36723's check gone from `free_swa`: the zeroed row entry is
     freed unchecked, and only the leak's idle check fires there). Both scenarios pass on the

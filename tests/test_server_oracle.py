@@ -11,7 +11,7 @@ import pytest
 
 from canaries.driver import make_plan
 from canaries.scenario import load_scenario
-from canaries.server.oracle import ServerAnswerOracle, ServerOracle, ServerReference
+from canaries.sglang.oracle import ServerAnswerOracle, ServerOracle, ServerReference
 from canaries.watchdog import Patience
 
 REPO = Path(__file__).resolve().parents[1]

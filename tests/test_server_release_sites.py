@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from canaries.runtime.sglang_server import spec_refusals
-from canaries.server.release_sites import HOOK_POINTS, READ_BY_EVERY_SITE, missing_sites
+from canaries.sglang.runtime import spec_refusals
+from canaries.sglang.server.release_sites import HOOK_POINTS, READ_BY_EVERY_SITE, missing_sites
 
 
 def _package(root: Path, leave_out: str = "") -> Path:

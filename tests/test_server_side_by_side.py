@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from canaries.releases import patched_interpreter
-from canaries.releases.venvs import find_python
-from canaries.runtime.sglang_server import SGLangServer
 from canaries.runtime.warm import close_fork_server
 from canaries.scenario import load_scenario
+from canaries.sglang.releases import patched_interpreter
+from canaries.sglang.releases.venvs import find_python
+from canaries.sglang.runtime import SGLangServer
 from engine_stub.config import config_from_sources
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from canaries.releases.venvs import find_python
-from canaries.server import cpu_standins
-from canaries.server.launch import ServerLaunch, refusals
-from canaries.server.model import ServerModel
+from canaries.sglang.releases.venvs import find_python
+from canaries.sglang.server import cpu_standins
+from canaries.sglang.server.launch import ServerLaunch, refusals
+from canaries.sglang.server.model import ServerModel
 from engine_stub.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ KERNEL_SCRIPT = """
 import torch
 from sglang.srt.mem_cache.allocation import assign_req_to_token_pool
 from sglang.srt.utils import next_power_of_2
-from canaries.server.cpu_standins import assign_req_to_token_pool_cpu
+from canaries.sglang.server.cpu_standins import assign_req_to_token_pool_cpu
 
 generator = torch.Generator().manual_seed(2026)
 for trial in range(12):
@@ -152,7 +152,7 @@ def test_only_kinds_with_a_hook_in_sglangs_scheduler_are_placed_there(monkeypatc
 def test_server_oracle_reports_answers_that_differ_from_the_clean_servers(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from canaries.server.oracle import ServerOracle, mismatches
+    from canaries.sglang.oracle import ServerOracle, mismatches
 
     plan = [SimpleNamespace(rid="r0", prompt=[1, 2], max_new_tokens=3), SimpleNamespace(rid="r1", prompt=[3], max_new_tokens=3)]
     oracle = ServerOracle(tmp_path, {"window": 8}, plan, reference="0.5.23 plain")

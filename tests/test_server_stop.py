@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from canaries.runtime.sglang_server import SGLangServer
+from canaries.sglang.runtime import SGLangServer
 from engine_stub.config import EngineConfig
 
 LAUNCHER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
@@ -23,7 +23,7 @@ def _server_with_launcher(tmp_path) -> SGLangServer:
 
 
 def _group_alive(pgid: int) -> bool:
-    from canaries.runtime.sglang_server import _live_members
+    from canaries.sglang.runtime import _live_members
 
     return bool(_live_members(pgid))
 

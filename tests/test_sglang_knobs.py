@@ -11,7 +11,7 @@ import pytest
 
 from canaries.runner import run_scenario
 from canaries.scenario import load_scenario
-from canaries.server.knobs import KNOB_INDEX_ENV, knob_env, knob_refusals, landing_of_line
+from canaries.sglang.server.knobs import KNOB_INDEX_ENV, knob_env, knob_refusals, landing_of_line
 from engine_stub.perturb.loader import load_engine_scenario
 from engine_stub.perturb.spec import SpecError, parse_perturbations
 
@@ -81,7 +81,7 @@ def test_engine_refuses_a_knob_perturbation_naming_its_field(tmp_path) -> None:
 
 
 def test_run_of_a_knob_scenario_on_our_engine_is_refused_as_unsupported(tmp_path) -> None:
-    from canaries.parity import UNSUPPORTED_NOTE, unsupported_reason
+    from canaries.sglang.parity import UNSUPPORTED_NOTE, unsupported_reason
 
     record = run_scenario(load_scenario(KNOBS / "knob-real-kv-used.yaml"), tmp_path / "run")
     assert record.verdict == "INCONCLUSIVE"
@@ -92,7 +92,7 @@ def test_run_of_a_knob_scenario_on_our_engine_is_refused_as_unsupported(tmp_path
 
 def test_library_knob_scenarios_validate_for_the_server_runtime() -> None:
     from canaries.runner import spec_for
-    from canaries.runtime.sglang_server import spec_refusals
+    from canaries.sglang.runtime import spec_refusals
 
     paths = sorted(KNOBS.glob("*.yaml"))
     assert len(paths) == 3

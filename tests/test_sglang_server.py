@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases.venvs import find_python
 from canaries.runner import run_scenario
 from canaries.scenario import load_scenario
+from canaries.sglang.releases.venvs import find_python
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -55,7 +55,7 @@ def test_request_level_regression_fails_the_real_server_where_memory_sglang_cann
     strict idle check reporting the leaked slot (the unmodified release is CLEAN there; the same
     patch under `memory: sglang` is CLEAN too, as that path never runs)."""
     _require_server_venv()
-    from canaries.releases.patches import patched_interpreter
+    from canaries.sglang.releases.patches import patched_interpreter
 
     python, diff = patched_interpreter(find_python("0.5.23", server=True), "0.5.23", ("release-leaks-last-slot",),
                                        tmp_path / "patched")
@@ -74,8 +74,8 @@ def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path
     the suite's census, inside the same scheduler, sees the padding slot a request row names and
     the SWA peer nobody owns."""
     _require_server_venv()
-    from canaries.releases.patches import patched_interpreter
-    from canaries.server.census import CENSUS_ENV
+    from canaries.sglang.releases.patches import patched_interpreter
+    from canaries.sglang.server.census import CENSUS_ENV
 
     python, _ = patched_interpreter(find_python("0.5.23", server=True), "0.5.23", ("free-swa-contract-removed",),
                                     tmp_path / "patched")
@@ -92,7 +92,7 @@ def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path
 
 
 def test_window_eviction_kind_lands_in_sglangs_own_eviction_and_its_invariant_detects_it(tmp_path: Path) -> None:
-    """`double_free_swa` through the on_window_eviction hook (canaries/server/site_hooks.py, in
+    """`double_free_swa` through the on_window_eviction hook (canaries/sglang/server/site_hooks.py, in
     SGLang's `free_swa_out_of_window_slots`): the window eviction's slots are freed a second time,
     and SGLang's own `free_swa` check (PR #36723's `swa.peer_mapped`) crashes the scheduler."""
     _require_server_venv()

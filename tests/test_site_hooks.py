@@ -1,4 +1,4 @@
-"""The site hooks placed in SGLang's scheduler process (canaries/server/site_hooks.py), over
+"""The site hooks placed in SGLang's scheduler process (canaries/sglang/server/site_hooks.py), over
 stand-ins of SGLang's objects: each wrapper hands the site's context to a real `Perturber` with the
 library's kinds and applies the folded effect with the calls SGLang's own code makes."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from canaries.server import site_hooks
-from canaries.server.sglang_view import SchedulerFacade, SGLangView
+from canaries.sglang.server import site_hooks
+from canaries.sglang.server.sglang_view import SchedulerFacade, SGLangView
 from engine_stub.perturb.perturber import Perturber
 from engine_stub.perturb.spec import parse_perturbations
 
@@ -213,7 +213,7 @@ def test_radix_held_slots_are_the_tree_cores_own_walk() -> None:
 def test_req_state_before_a_forward_counts_only_kv_already_written() -> None:
     from types import SimpleNamespace
 
-    from canaries.server import site_hooks
+    from canaries.sglang.server import site_hooks
 
     def req(rid: str, committed: int, extend: int = 0) -> SimpleNamespace:
         kv = SimpleNamespace(req_pool_idx=1, kv_committed_len=committed, max_evicted_seqlen=0)

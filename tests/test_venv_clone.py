@@ -1,4 +1,4 @@
-"""A new candidate's venv as a hard-linked copy of the nearest release's (canaries/releases/clone.py):
+"""A new candidate's venv as a hard-linked copy of the nearest release's (canaries/sglang/releases/clone.py):
 which venv is picked, what is linked, copied, rewritten and left out, and that the base is never
 written. Fake venvs on disk: no pip, no network."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries.releases.clone import CLONED_FROM, clone_venv, main, nearest_venv, venv_release
+from canaries.sglang.releases.clone import CLONED_FROM, clone_venv, main, nearest_venv, venv_release
 
 SITE = "lib/python3.11/site-packages"
 

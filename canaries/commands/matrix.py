@@ -11,7 +11,7 @@
     canary matrix --rejudge reports/matrix-<run>/      # judge a kept matrix again (nothing reruns)
 
 A release is a version on the index, a wheel file or a source checkout, each optionally
-followed by `+PATCH` (canaries/releases/patches.py) or `+path/to/change.diff` parts. With
+followed by `+PATCH` (canaries/sglang/releases/patches.py) or `+path/to/change.diff` parts. With
 `--runtime sglang-server` each column is that release's own server (its venv from
 `make-sglang-venv.sh --server`), a patched column's server running the patched copy.
 
@@ -119,9 +119,9 @@ def read_config(path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from canaries.commands.run import select
-    from canaries.matrix import rejudge_matrix, run_matrix
-    from canaries.releases import ReleaseError, match_release, parse_releases
     from canaries.runner import RunInterrupted, default_report_dir, new_run_id
+    from canaries.sglang.matrix import rejudge_matrix, run_matrix
+    from canaries.sglang.releases import ReleaseError, match_release, parse_releases
 
     if args.rejudge:
         try:

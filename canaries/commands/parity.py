@@ -1,6 +1,6 @@
 """`canary parity`: the library on our memory path and on SGLang's own; exit 1 on an
 unexplained difference (one not recorded in configs/parity/sglang-<version>.yaml, nor inherited
-by it or, for a release with no file, from the nearest older release's: canaries/divergences.py)."""
+by it or, for a release with no file, from the nearest older release's: canaries/sglang/divergences.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from canaries.commands.run import check_engine_python, select
-    from canaries.parity import rejudge, run_parity
     from canaries.runner import default_report_dir, new_run_id
+    from canaries.sglang.parity import rejudge, run_parity
 
     if args.rejudge:
         try:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if result.ok else EXIT_FAILED
 
     if args.runtime == "sglang-server":
-        from canaries.releases.venvs import find_python
+        from canaries.sglang.releases.venvs import find_python
 
         if args.engine_python is None:
             found = find_python("0.5.23", server=True)

@@ -71,11 +71,11 @@ def _server_refusals(files: list) -> list:
     """What SGLang's server cannot run, as problems at the field's line."""
     from pathlib import Path
 
-    from canaries.runtime.sglang_server import spec_refusals
     from canaries.scenario import load_paths
     from canaries.scenario.loader import engine_spec
     from canaries.scenario.model import Problem
     from canaries.scenario.yamldoc import read_doc
+    from canaries.sglang.runtime import spec_refusals
 
     scenarios, _, _ = load_paths(files)
     problems = []

@@ -114,7 +114,7 @@ def _symptoms(scenario: Any, events: list[dict], responses: list[dict], record: 
                 if k.endswith("_held_twice") and v]
         out += [f"census:{name.removeprefix('census.')}" for name, v in
                 sorted((census.get("failures") or {}).items()) if v]
-    if server:  # the census's idle summary on SGLang's server too (canaries/server/census.py)
+    if server:  # the census's idle summary on SGLang's server too (canaries/sglang/server/census.py)
         if scenario.workload.temperature == 0:
             out += _server_answers(scenario, record, run_dir, responses)
     elif scenario.workload.temperature == 0:
@@ -197,8 +197,9 @@ def _server_answers(scenario: Any, record: Any, run_dir: Path, responses: list[d
     none could be had), else []: what the run's own oracle found, if it judged (its verdict
     records it), else computed now."""
     from canaries.driver import make_plan
-    from canaries.runner import patience_for, server_answer_mismatches
-    from canaries.runtime.sglang_server import SGLangServerRuntime
+    from canaries.runner import patience_for
+    from canaries.sglang.runtime import SGLangServerRuntime
+    from canaries.sglang.oracle import answer_mismatches
 
     judged = record.extra.get("oracle") or {}
     if judged.get("judged") and "differs" in judged:
@@ -208,8 +209,8 @@ def _server_answers(scenario: Any, record: Any, run_dir: Path, responses: list[d
     except (OSError, ValueError):
         return ["no oracle"]
     plan = make_plan(scenario.workload, scenario.seed)
-    found, error = server_answer_mismatches(spec, plan, run_dir, scenario.workload, scenario.seed,
-                                            patience_for(scenario.workload, SGLangServerRuntime), responses)
+    found, error = answer_mismatches(spec, plan, run_dir, scenario.workload, scenario.seed,
+                                     patience_for(scenario.workload, SGLangServerRuntime), responses)
     if error:
         return ["no oracle"]
     return ["answers"] if found else []

@@ -18,7 +18,7 @@ def get_runtime(name: str, **kwargs):
 
         return DockerRuntime(**kwargs)
     if name == "sglang-server":
-        from canaries.runtime.sglang_server import SGLangServerRuntime
+        from canaries.sglang.runtime import SGLangServerRuntime
 
         return SGLangServerRuntime(**kwargs)
     raise ValueError(f"unknown runtime {name!r}; valid runtimes: {', '.join(RUNTIMES)}")

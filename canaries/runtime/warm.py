@@ -394,7 +394,7 @@ _SERVER_LOCK = threading.Lock()  # guards _SERVERS and _STARTING only, never hel
 _STARTING: dict[_ServerKey, threading.Lock] = {}  # one start at a time per key, others in parallel
 _RETIRED: set[ForkServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
 _RETIRED_LOCK = threading.Lock()
-# A patched interpreter (canaries.releases.patches.patched_interpreter) -> the release's own
+# A patched interpreter (canaries.sglang.releases.patches.patched_interpreter) -> the release's own
 # interpreter and the patched mirror it puts first on the path.
 _PATCHED: dict[str, tuple[str, str]] = {}
 

@@ -46,7 +46,7 @@ class Facts:
     consumed: tuple[dict, ...] = ()  # perturbation_consumed events: damage something read
     died: tuple[dict, ...] = ()  # perturbation_died events: damage gone unread
     # Why the suite's census could not read the engine's state (SGLang's server: a release whose
-    # objects lack what it reads, canaries/server/census.py), or None where it ran or needs none.
+    # objects lack what it reads, canaries/sglang/server/census.py), or None where it ran or needs none.
     census_unreadable: str | None = None
     lost: tuple[str, ...] = ()  # rids whose connection was lost by an engine that did not crash
 

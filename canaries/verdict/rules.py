@@ -240,7 +240,7 @@ def unreached(f: Facts, verdict: str, reason: str) -> Decision:
 
 
 # What only the suite's own census reads (engine_stub/census.py; on SGLang's server,
-# canaries/server/census.py).
+# canaries/sglang/server/census.py).
 _CENSUS_READ = ("census.", "idle.radix_sanity")
 
 

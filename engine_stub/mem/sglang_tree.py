@@ -214,7 +214,7 @@ class SGLangTreeReader:
     counters): the Rust core (0.5.23's default) has no Python nodes to walk.
 
     Read-only. `memory: sglang`'s tree reads its own cache through it, and the suite's census
-    reads the cache of SGLang's real server (canaries/server/census.py).
+    reads the cache of SGLang's real server (canaries/sglang/server/census.py).
 
     Args:
         impl: the `UnifiedRadixCache`.

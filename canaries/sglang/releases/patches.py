@@ -2,7 +2,7 @@
 
 Like the engine's regression catalogue (`canaries/regressions/`), each entry names a file of
 the `sglang` package, an exact snippet that must occur once, and its replacement. A column may
-also carry unified diffs (a PR, a local change: canaries/releases/diffs.py), applied after the
+also carry unified diffs (a PR, a local change: canaries/sglang/releases/diffs.py), applied after the
 catalogue's patches. A patched release runs from a mirror of the installed package: the
 directories on the patched files' paths are real, the patched files real copies, everything else
 a symlink to the venv's own files, so the venv itself is never touched. A small wrapper
@@ -18,8 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.releases.diffs import DiffSection, apply_section, diff_sections, read_diff
-from canaries.releases.errors import ReleaseError
+from canaries.sglang.releases.diffs import DiffSection, apply_section, diff_sections, read_diff
+from canaries.sglang.releases.errors import ReleaseError
 
 __all__ = ["SGLangPatch", "package_dir", "patch_catalogue", "patch_mirror", "patched_interpreter"]
 
@@ -91,7 +91,7 @@ _CATALOGUE = (
     ),
     # The state goes wrong and no answer changes: SGLang's idle check (a sum: a locked node counts
     # as protected instead of evictable) balances, its canary reads only what a forward reads. The
-    # suite's census on the server sees each (canaries/server/census.py); docs/sglang-server.md
+    # suite's census on the server sees each (canaries/sglang/server/census.py); docs/sglang-server.md
     # says which scenario kills which, with and without the census.
     SGLangPatch(
         name="unlock-only-when-checkpointed",

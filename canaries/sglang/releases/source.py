@@ -17,9 +17,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.releases.errors import ReleaseError
-from canaries.releases.provenance import file_sha256, git_describe, git_state, py_sha256
-from canaries.releases.versions import canonical_version, scm_version
+from canaries.sglang.releases.errors import ReleaseError
+from canaries.sglang.releases.provenance import file_sha256, git_describe, git_state, py_sha256
+from canaries.sglang.releases.versions import canonical_version, scm_version
 
 __all__ = ["SGLangSource", "tree_root", "tree_version", "tree_version_origin", "wheel_version"]
 

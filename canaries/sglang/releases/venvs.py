@@ -6,7 +6,7 @@ the historical `.venv-sglang`); a wheel in `.venv-sglang-wheel-<sha256[:12]>`; a
 (`make-sglang-venv.sh --server`) has `-server` after `.venv-sglang` in each of those names. A venv counts only if the sglang it imports is the one
 asked for: the release's version, the wheel's hash, the tree (a tree's venv is re-checked at
 every use, since the tree may have changed what it imports). The closure each venv holds is
-resolved by canaries/releases/closure.py and recorded in its `sglang-closure.lock`.
+resolved by canaries/sglang/releases/closure.py and recorded in its `sglang-closure.lock`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from canaries.releases.errors import ReleaseError
-from canaries.releases.provenance import file_sha256
+from canaries.sglang.releases.errors import ReleaseError
+from canaries.sglang.releases.provenance import file_sha256
 
 __all__ = ["find_python", "installed_version", "release_python", "venv_candidates", "venv_for"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MAKE_VENV = REPO / "scripts" / "make-sglang-venv.sh"
 VENV_LOCK = "sglang-closure.lock"
 
@@ -47,7 +47,7 @@ def find_python(version: str, root: Path = REPO, *, server: bool = False) -> Pat
 def venv_for(source: Any, root: Path = REPO, *, server: bool = False) -> tuple[Path, str]:
     """The venv a non-index source builds into (`server`: the one that runs its server too), and
     the identity its lock must carry."""
-    from canaries.releases.closure import identity
+    from canaries.sglang.releases.closure import identity
 
     kind = "-server" if server else ""
     if source.kind == "wheel":

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.releases.errors import ReleaseError
+from canaries.sglang.releases.errors import ReleaseError
 
 __all__ = ["DiffSection", "apply_section", "diff_sections", "read_diff"]
 

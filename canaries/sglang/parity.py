@@ -3,7 +3,7 @@
 Runs the selection twice, `memory: native` and `memory: sglang` (the engine under an interpreter
 that has sglang), and compares each scenario's verdict, detectors and detection latency. Every
 difference must be a known divergence of that SGLang version, recorded with its reason in
-`configs/parity/sglang-<version>.yaml` (or inherited: canaries/divergences.py; the recorded
+`configs/parity/sglang-<version>.yaml` (or inherited: canaries/sglang/divergences.py; the recorded
 verdict must be the one seen): anything else is unexplained and fails the run. Writes `parity.md`
 and `parity.json` beside the two runs.
 """
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from canaries.divergences import PARITY_DIR, known_divergences
+from canaries.sglang.divergences import PARITY_DIR, known_divergences
 
 SERVER_PARITY_DIR = PARITY_DIR / "server"  # the real server's known divergences, release by release
 UNSUPPORTED_NOTE = "unsupported"  # a run dir's note: why the runtime could not run the scenario
@@ -90,7 +90,7 @@ def expectations_path(version: str, parity_dir: Path = PARITY_DIR) -> Path:
 
 def load_expectations(version: str, parity_dir: Path = PARITY_DIR) -> dict[str, dict]:
     """Known divergences of SGLang `version`: scenario -> {verdict, reason}, its own file's and
-    what that inherits, or the nearest older release's (canaries/divergences.py); the files
+    what that inherits, or the nearest older release's (canaries/sglang/divergences.py); the files
     they came from: `known_divergences(version).files`."""
     return known_divergences(version, parity_dir).entries
 
@@ -257,7 +257,7 @@ def judge_parity(report_dir: Path, version: str, native: list[Any], sglang: list
     known = known_divergences(version, SERVER_PARITY_DIR if runtime == "sglang-server" else PARITY_DIR)
     comparable = None
     if runtime == "sglang-server":
-        from canaries.server.log_events import SERVER_DETECTORS
+        from canaries.sglang.server.log_events import SERVER_DETECTORS
 
         comparable = SERVER_DETECTORS
     native_unsupported = {r.scenario: unsupported_reason(report_dir / "native" / r.scenario) for r in native}

@@ -3,12 +3,12 @@
 Runs the selection once on `memory: native` and once per release column on `memory: sglang`
 (every part of the memory path the release has), in that release's pinned venv, and puts each
 scenario x release cell beside the native verdict: `same`, `known` (the difference is recorded
-with its reason in configs/parity/sglang-<version>.yaml, or inherited: canaries/divergences.py) or
+with its reason in configs/parity/sglang-<version>.yaml, or inherited: canaries/sglang/divergences.py) or
 `unexplained`. With `runtime="sglang-server"` each column is that release's own server instead
 (its server venv, `make-sglang-venv.sh --server`), judged as `canary parity --runtime
 sglang-server` judges it: against configs/parity/server/, detectors compared within those the
 server has a line for. A column is a release on the index, a wheel or a source checkout, optionally with
-patches and diffs (canaries/releases/spec.py); each column's report says exactly what ran.
+patches and diffs (canaries/sglang/releases/spec.py); each column's report says exactly what ran.
 Writes matrix.md, matrix.json and matrix.html; each column's run (verdicts, events, engine logs)
 is kept under `runs/<column>/`.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from canaries.confirm import DEFAULT_RERUNS, Confirmation, confirm, confirmation_from_dict
-from canaries.divergences import known_divergences
 from canaries.native_cache import NativeCache, run_native
-from canaries.parity import (
+from canaries.sglang.divergences import known_divergences
+from canaries.sglang.parity import (
     PARITY_DIR,
     SERVER_PARITY_DIR,
     compare,
@@ -41,15 +41,15 @@ from canaries.parity import (
     refused_reason,
     unsupported_reason,
 )
-from canaries.releases import (
+from canaries.sglang.releases import (
     ReleaseError,
     ReleaseSpec,
     SGLangSource,
     patched_interpreter,
     release_python,
 )
-from canaries.releases.spec import file_label
-from canaries.releases.versions import same_version, version_key
+from canaries.sglang.releases.spec import file_label
+from canaries.sglang.releases.versions import same_version, version_key
 
 __all__ = ["Cell", "GateResult", "MatrixResult", "Column", "describe_provenance", "gate", "rejudge_matrix",
            "run_matrix"]
@@ -82,7 +82,7 @@ class Column:
     memory_parts: dict[str, str] = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     divergences: str = ""  # e.g. `sglang-0.5.20.yaml (inherited)`
-    # Whose clean answers judged the column's runs (its server's: canaries/server/oracle.py).
+    # Whose clean answers judged the column's runs (its server's: canaries/sglang/oracle.py).
     oracle: str = ""
 
     @property
@@ -326,8 +326,8 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
     from canaries.runner import RunInterrupted, run_many
     from canaries.runtime.local import PRELOAD
     from canaries.runtime.safety import SignalLatch
-    from canaries.runtime.sglang_server import prestart_parent
     from canaries.runtime.warm import close_fork_server, prestart, register_patched_python
+    from canaries.sglang.runtime import prestart_parent
 
     if runtime not in ("local", "sglang-server"):
         raise ReleaseError(f"runtime {runtime!r}: local or sglang-server")
@@ -490,7 +490,7 @@ def _columns(releases: Sequence[ReleaseSpec], done: dict[str, tuple[list, float]
 def _reference(label: str, python: str, last: str | None, candidate: str | None,
                interpreters: dict[str, tuple[Path, str]]) -> Any:
     """The `ServerReference` of a server column (see `run_matrix`)."""
-    from canaries.server.oracle import ServerReference
+    from canaries.sglang.oracle import ServerReference
 
     if label == candidate and last is not None and last != candidate:
         return ServerReference(str(interpreters[last][0]), last, plain=False)
@@ -501,7 +501,7 @@ def _cells_of(columns: list[Column], done: dict[str, Any], report_dir: Path,
               runtime: str) -> dict[str, dict[str, Cell]]:
     """Every column's cells against the native run and its release's known divergences
     (`done`: label -> records, or (records, seconds))."""
-    from canaries.server.log_events import SERVER_DETECTORS
+    from canaries.sglang.server.log_events import SERVER_DETECTORS
 
     server = runtime == "sglang-server"
     records = {label: value[0] if isinstance(value, tuple) else value for label, value in done.items()}
@@ -525,7 +525,7 @@ def _judge(columns: list[Column], done: dict[str, Sequence[Any]], native_seconds
     """Every column's cells against the native run and its release's known divergences, the gate
     (with the reruns' `confirmations`), and the three reports written into `report_dir`."""
     from canaries.report.atomic import write_atomic
-    from canaries.report.matrix_html import matrix_html
+    from canaries.sglang.matrix_html import matrix_html
 
     server = runtime == "sglang-server"
     judged = [replace(column, divergences=known_divergences(

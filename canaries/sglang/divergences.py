@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from canaries.releases.versions import version_key
+from canaries.sglang.releases.versions import version_key
 
 __all__ = ["PARITY_DIR", "KnownDivergences", "known_divergences", "parity_files"]
 
-PARITY_DIR = Path(__file__).resolve().parents[1] / "configs" / "parity"
+PARITY_DIR = Path(__file__).resolve().parents[2] / "configs" / "parity"
 _FILE_RE = re.compile(r"^sglang-(.+)\.yaml$")
 
 

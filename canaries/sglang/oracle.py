@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CleanServerFailed", "ServerAnswerOracle", "ServerOracle", "ServerReference", "mismatches"]
+__all__ = ["CleanServerFailed", "ServerAnswerOracle", "ServerOracle", "ServerReference", "answer_mismatches",
+           "clean_answers", "mismatches"]
 
 # Past any context length the suite configures: a plain reference never slides a window.
 _NO_EVICTION_INTERVAL = 1 << 20
@@ -61,6 +62,16 @@ class ServerReference:
     def of_release(cls, python: str, label: str) -> ServerReference:
         """The release's own server, plain: the reference of a release judged alone."""
         return cls(str(python), label, plain=True)
+
+    @classmethod
+    def default(cls, python: str | None = None) -> ServerReference:
+        """The plain server of the release `python` runs (default: the server venv's, 0.5.23)."""
+        from canaries.sglang.releases.venvs import find_python, installed_version
+
+        python = python or str(find_python("0.5.23", server=True) or "")
+        if not python:
+            raise RuntimeError("no venv runs SGLang's server here: bash scripts/make-sglang-venv.sh --server")
+        return cls.of_release(python, installed_version(Path(python)) or "?")
 
     def describe(self) -> str:
         how = ("plain: no radix cache, no window eviction, one request at a time" if self.plain
@@ -147,7 +158,7 @@ def clean_answers(reference: ServerReference, spec: dict, plan: list[Any], run_d
     `<report>/.server-oracle/` (RuntimeError if the reference server did not answer)."""
     from canaries.driver import drive
     from canaries.runner import cancelled
-    from canaries.runtime.sglang_server import READY_TIMEOUT_S, SGLangServerRuntime
+    from canaries.sglang.runtime import READY_TIMEOUT_S, SGLangServerRuntime
 
     clean_spec = {**spec, "engine": reference.engine(spec.get("engine") or {}), "perturbations": []}
     cache = ServerOracle(run_dir.parent / ".server-oracle", clean_spec["engine"], plan, reference.describe()
@@ -169,6 +180,17 @@ def clean_answers(reference: ServerReference, spec: dict, plan: list[Any], run_d
             clean.stop()
 
     return cache.reference(clean_run)
+
+
+def answer_mismatches(spec: dict, plan: list[Any], run_dir: Path, workload: Any, seed: int, patience: Any,
+                      responses: list[dict], reference: ServerReference | None = None) -> tuple[list[dict], str | None]:
+    """`responses` (a run on SGLang's server) against `reference`'s clean answers (default: the
+    server venv's release, plain): (mismatches, error)."""
+    try:
+        reference = reference or ServerReference.default()
+        return mismatches(clean_answers(reference, spec, plan, run_dir, workload, seed, patience), responses), None
+    except Exception as exc:  # noqa: BLE001 - an oracle failure must not pass silently
+        return [], f"the reference's answers failed: {type(exc).__name__}: {exc}"
 
 
 class ServerAnswerOracle:

@@ -35,7 +35,7 @@ stamped with SGLang's step, as our engine's.
 A release whose objects lack what the census reads is refused when the scheduler is built
 (`unreadable`): a `census` event (`armed: false`, `unreadable: true`) names the attribute, and a
 verdict that would rest on the census is INCONCLUSIVE with that reason, never judged blind
-(canaries/runtime/sglang_server.py). `CANARY_SERVER_CENSUS=off` leaves it out on purpose (the
+(canaries/sglang/runtime.py). `CANARY_SERVER_CENSUS=off` leaves it out on purpose (the
 benchmark's baseline).
 """
 
@@ -65,7 +65,7 @@ _LEVEL_ENV = "SGLANG_INVARIANT_CHECK"
 class CensusViolation(RuntimeError):
     """A census rule broken at a strict idle pass: the scheduler stops, as on SGLang's own strict
     idle check. The message is SGLang's strict line (`invariant-check FAILED [name]: msg`), so the
-    event log reads it as every other strict firing (canaries/server/log_events.py)."""
+    event log reads it as every other strict firing (canaries/sglang/server/log_events.py)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 it on a CPU torch, found by the tool instead of by hand.
 
 Runs inside the target venv (torch 2.13.0+cpu already there; scripts/make-sglang-venv.sh calls
-`python -m canaries.releases.closure`), stdlib only. Steps:
+`python -m canaries.sglang.releases.closure`), stdlib only. Steps:
 
 1. install sglang itself with `--no-deps` (its metadata asks for the whole GPU stack): from the
    index, a wheel, or a source tree linked in place;
@@ -37,10 +37,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from canaries.releases.errors import ReleaseError
-from canaries.releases.locks import Lock, LockPin, nearest_lock, normalize, read_lock
-from canaries.releases.provenance import file_sha256
-from canaries.releases.source import SGLangSource
+from canaries.sglang.releases.errors import ReleaseError
+from canaries.sglang.releases.locks import Lock, LockPin, nearest_lock, normalize, read_lock
+from canaries.sglang.releases.provenance import file_sha256
+from canaries.sglang.releases.source import SGLangSource
 
 try:
     from packaging.requirements import Requirement
@@ -194,7 +194,7 @@ PROFILES = ("memory", "server")  # what the venv must import: the memory path, o
 def import_check(profile: str = "memory") -> dict:
     """Run import_check.py in a fresh interpreter of this venv, for `profile`."""
     script = Path(__file__).with_name("import_check.py")
-    repo = str(Path(__file__).resolve().parents[2])  # so the check imports the engine's modules too
+    repo = str(Path(__file__).resolve().parents[3])  # so the check imports the engine's modules too
     env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CANARY_CLOSURE_PROFILE": profile}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
@@ -406,7 +406,7 @@ def resolve(candidate: SGLangSource, seed: Lock | None, pip: Pip, log, profile: 
     what = "imports" if profile == "memory" else "imports and its server (launch_server, CPU engine)"
     header = [f"SGLang {candidate.version}: the import closure (--no-deps) of what the project {what}",
               "from it on CPU torch 2.13.0, resolved by scripts/make-sglang-venv.sh "
-              "(canaries/releases/closure.py).",
+              "(canaries/sglang/releases/closure.py).",
               f"Generated {dt.date.today().isoformat()} from {identity(candidate)}"
               + (f", first guess {seed.version}'s lock" if seed else ", from nothing") + ": do not edit;",
               f"regenerate with `bash scripts/make-sglang-venv.sh{' --server' if profile == 'server' else ''} "
@@ -455,7 +455,7 @@ def prune(lock: Lock, log) -> list[str]:
 
 
 def _cloned() -> bool:
-    from canaries.releases.clone import CLONED_FROM
+    from canaries.sglang.releases.clone import CLONED_FROM
 
     return (Path(sys.prefix) / CLONED_FROM).is_file()
 
@@ -517,7 +517,7 @@ def build(candidate: SGLangSource, lock_dir: Path, venv_lock: Path, *, relock: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m canaries.releases.closure", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m canaries.sglang.releases.closure", description=__doc__.splitlines()[0])
     parser.add_argument("--version", help="a release on the index")
     parser.add_argument("--source", help="a wheel file or a source checkout instead")
     parser.add_argument("--lock-dir", required=True, help="where the repo keeps locks (configs/sglang)")

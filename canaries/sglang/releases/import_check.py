@@ -184,7 +184,7 @@ def main() -> int:
     server = os.environ.get(PROFILE_ENV) == "server"
     try:
         if server:
-            target = "canaries.server.cpu_standins"
+            target = "canaries.sglang.server.cpu_standins"
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
             importlib.import_module(target).install()
         for target in REQUIRED + (SERVER if server else ()):

@@ -130,7 +130,7 @@ def events_of_line(line: str, *, step: int = 0, level: str = "WARN") -> list[dic
 
 # The engine's detectors SGLang's server has (the table in docs/sglang-server.md): its own lines,
 # and the suite's census and radix sanity check, run inside its scheduler process
-# (canaries/server/census.py). `canary parity --runtime sglang-server` compares detectors within
+# (canaries/sglang/server/census.py). `canary parity --runtime sglang-server` compares detectors within
 # this set; the scheduler's stalls and prefix check and our allocator's drops exist on our engine
 # only.
 SERVER_DETECTORS = frozenset({

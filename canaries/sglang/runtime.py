@@ -24,20 +24,20 @@ import requests
 
 from canaries.runtime import safety
 from canaries.runtime.warm import WarmProcess, fork_server, start_mode
-from canaries.server.knobs import knob_env, knob_refusals
-from canaries.server.launch import ServerLaunch, import_env, plugin_pythonpath
-from canaries.server.lockstep import GATE_ENV, GateNotes
-from canaries.server.model import ServerModel
-from canaries.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
+from canaries.sglang.server.knobs import knob_env, knob_refusals
+from canaries.sglang.server.launch import ServerLaunch, import_env, plugin_pythonpath
+from canaries.sglang.server.lockstep import GATE_ENV, GateNotes
+from canaries.sglang.server.model import ServerModel
+from canaries.sglang.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
 from engine_stub.config import EngineConfig
 
 __all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError", "prestart_parent"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_DIR = REPO_ROOT / "canaries" / "server" / "plugin"
+PLUGIN_DIR = REPO_ROOT / "canaries" / "sglang" / "server" / "plugin"
 READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
 PORT_ATTEMPTS = 3  # a port taken under the server before it binds: start again on another
-FORK_PARENT = "canaries.server.fork_parent"
+FORK_PARENT = "canaries.sglang.server.fork_parent"
 # How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
 # it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
 IDLE_PASS_WAIT_S = 3.0
@@ -95,7 +95,7 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
 
 
 def _warm_parent(python: str, device: str):
-    """The warm parent (`canaries.server.fork_parent`) the CPU servers of `python` fork from."""
+    """The warm parent (`canaries.sglang.server.fork_parent`) the CPU servers of `python` fork from."""
     return fork_server(python, module=FORK_PARENT,
                        env={**import_env(device), "PYTHONPATH": plugin_pythonpath(PLUGIN_DIR, REPO_ROOT)})
 
@@ -123,7 +123,7 @@ class SGLangServer:
         self.config = config
         self.device = device
         self.ready_timeout = ready_timeout
-        # warm: forked from the warm parent (`canaries.server.fork_parent`); fresh: its own
+        # warm: forked from the warm parent (`canaries.sglang.server.fork_parent`); fresh: its own
         # `python -m sglang.launch_server`. auto: warm on a CPU, fresh where CUDA could be touched.
         self.start_mode = start_mode(start, device)
         self.proc: subprocess.Popen | WarmProcess | None = None
@@ -332,7 +332,7 @@ class SGLangServer:
 
 @functools.cache
 def _release_of(python: str) -> str | None:
-    from canaries.releases.venvs import installed_version
+    from canaries.sglang.releases.venvs import installed_version
 
     return installed_version(Path(python))
 
@@ -340,8 +340,8 @@ def _release_of(python: str) -> str | None:
 @functools.cache
 def _sites_missing(python: str) -> dict[str, str]:
     """The hook sites the sglang `python` imports (a patched copy's included) has no place for."""
-    from canaries.releases.patches import package_dir
-    from canaries.server.release_sites import missing_sites
+    from canaries.sglang.releases.patches import package_dir
+    from canaries.sglang.server.release_sites import missing_sites
 
     return missing_sites(package_dir(Path(python)))
 
@@ -357,7 +357,7 @@ _HARNESS_KNOBS = ("gate_requests", "gate_concurrency", "gate_timeout_s", "device
 
 
 # The engine's hook sites placed in SGLang's scheduler process: before_step by the plugin's
-# run_batch hook, the others by canaries/server/site_hooks.py (after_forward and cache_hit have no
+# run_batch hook, the others by canaries/sglang/server/site_hooks.py (after_forward and cache_hit have no
 # kind yet, so no hook).
 HOOKED_SITES = ("before_step", "on_window_eviction", "on_request_finish", "on_sampling", "on_chunk_boundary")
 
@@ -388,7 +388,7 @@ def spec_refusals(spec: dict, missing: dict[str, str] | None = None, release: st
     SGLang's server cannot run as the scenario means it; empty: it can. `canary validate
     --runtime sglang-server` reports them with their lines; a run refuses the scenario.
     `missing`/`release`: the sites that release has no place for (`unsupported_kinds`)."""
-    from canaries.server.launch import refusals
+    from canaries.sglang.server.launch import refusals
     from engine_stub.config import ConfigError, config_from_sources
 
     found = []
@@ -420,7 +420,7 @@ def _perturbation_specs(spec: dict) -> list | tuple[str, str]:
 class SGLangServerRuntime:
     """`canary run --runtime sglang-server`: one SGLang server per scenario, from the server venv
     (`make-sglang-venv.sh --server`), its engine section as flags, the scenario's perturbations
-    armed in its scheduler process, its events from its own log (canaries/server/)."""
+    armed in its scheduler process, its events from its own log (canaries/sglang/server/)."""
 
     # No step for this long with requests outstanding is a hang: a fresh server's first forward on
     # a loaded two-core CPU (lazy initialisation, the canary's kernels in Triton's interpreter) has
@@ -438,7 +438,7 @@ class SGLangServerRuntime:
             raise ServerUnsupported("the sglang-server runtime runs SGLang's code: another engine_stub "
                                     "(a catalogue mutant, another commit) does not apply")
         if python is None:
-            from canaries.releases.venvs import find_python
+            from canaries.sglang.releases.venvs import find_python
 
             python = find_python("0.5.23", server=True)
         if python is None:
@@ -480,7 +480,7 @@ class SGLangServerRuntime:
             extra["CANARY_SERVER_SPEC"] = str(Path(spec_path).resolve())
         extra.update(knob_env(_perturbation_specs(spec)))  # SGLang's own knobs (`via: sglang_knob`)
         # The lockstep gate: the driver notes its plan in this file, the plugin in SGLang's
-        # scheduler lets requests in as it says (canaries/server/lockstep.py).
+        # scheduler lets requests in as it says (canaries/sglang/server/lockstep.py).
         gate = Path(run_dir).resolve() / GATE_FILE
         gate.write_bytes(b"")
         extra[GATE_ENV] = str(gate)
@@ -507,7 +507,7 @@ class SGLangServerRuntime:
     def _unsupported(run_dir: str | os.PathLike, reason: str) -> None:
         """Refuse the scenario: the reason is its INCONCLUSIVE verdict's, and the run dir's note
         (`canary parity` counts it unsupported, not unexplained)."""
-        from canaries.parity import UNSUPPORTED_NOTE
+        from canaries.sglang.parity import UNSUPPORTED_NOTE
 
         with contextlib.suppress(OSError):
             Path(run_dir, UNSUPPORTED_NOTE).write_text(reason + "\n", encoding="utf-8")

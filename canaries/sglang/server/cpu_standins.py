@@ -119,12 +119,12 @@ def install() -> None:
             wrapped = _unpinned(factory)
             wrapped.__wrapped_unpinned__ = True
             setattr(torch, name, wrapped)
-    from canaries.server.import_hooks import after_import
+    from canaries.sglang.server.import_hooks import after_import
 
     after_import("sglang.srt.layers.attention.torch_native_backend",
                  lambda module: translate_swa_reads(module.TorchNativeAttnBackend))
     # SGLang's KV-canary verify on a CPU, over all slots at once (byte for byte its reference's).
-    from canaries.server import canary_verify
+    from canaries.sglang.server import canary_verify
 
     after_import("sglang.kernels.ops.kv_canary.verify_ref", canary_verify.install)
     after_import("sglang.kernels.ops.kv_canary.write_ref", canary_verify.install_write)

@@ -1,4 +1,4 @@
-"""The one error of `canaries.releases`: a release, venv, diff or patch that cannot be used."""
+"""The one error of `canaries.sglang.releases`: a release, venv, diff or patch that cannot be used."""
 
 from __future__ import annotations
 

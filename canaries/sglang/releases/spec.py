@@ -2,7 +2,7 @@
 optionally with catalogued patches and unified diffs applied to a throwaway copy.
 
     0.5.23                                  the release from the package index
-    0.5.23+free-swa-contract-removed        with a catalogued patch (canaries/releases/patches.py)
+    0.5.23+free-swa-contract-removed        with a catalogued patch (canaries/sglang/releases/patches.py)
     0.5.23+./pr.diff                        with a unified diff (a `+` part that is a file, or
                                             ends in .diff/.patch)
     ./dist/sglang-0.5.23-...whl+pr.diff     any source may be the base; several `+` parts allowed
@@ -15,9 +15,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from canaries.releases.errors import ReleaseError
-from canaries.releases.provenance import file_sha256
-from canaries.releases.source import SGLangSource
+from canaries.sglang.releases.errors import ReleaseError
+from canaries.sglang.releases.provenance import file_sha256
+from canaries.sglang.releases.source import SGLangSource
 
 __all__ = ["ReleaseError", "ReleaseSpec", "SGLangSource", "file_label", "match_release", "parse_releases"]
 
@@ -43,7 +43,7 @@ class ReleaseSpec:
             raise ReleaseError(f"release base {self.base!r}: an SGLangSource")
         if len(set(self.patches)) != len(self.patches):
             raise ReleaseError(f"release {self.label}: a patch is named twice")
-        from canaries.releases.patches import patch_catalogue
+        from canaries.sglang.releases.patches import patch_catalogue
 
         unknown = [p for p in self.patches if p not in patch_catalogue()]
         if unknown:

@@ -1,7 +1,7 @@
 """A new candidate's venv as a hard-linked copy of the nearest release's venv, so that torch (and
 most of the closure, which releases share) is never installed again.
 
-    python -m canaries.releases.clone (--version X | --source WHEEL_OR_TREE) [--server] --root REPO TARGET
+    python -m canaries.sglang.releases.clone (--version X | --source WHEEL_OR_TREE) [--server] --root REPO TARGET
 
 scripts/make-sglang-venv.sh runs it before it creates a venv that does not exist yet. It picks
 the nearest venv in REPO (`.venv-sglang*`, symlinks followed) that holds an SGLang release on the
@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from canaries.releases.errors import ReleaseError
-from canaries.releases.source import SGLangSource
-from canaries.releases.versions import version_key
+from canaries.sglang.releases.errors import ReleaseError
+from canaries.sglang.releases.source import SGLangSource
+from canaries.sglang.releases.versions import version_key
 
 __all__ = ["CLONED_FROM", "clone_venv", "nearest_venv", "venv_release"]
 
@@ -177,7 +177,7 @@ def clone_venv(base: Path, target: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m canaries.releases.clone", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m canaries.sglang.releases.clone", description=__doc__.splitlines()[0])
     parser.add_argument("--version", help="a release on the index")
     parser.add_argument("--source", help="a wheel file or a source checkout instead")
     parser.add_argument("--server", action="store_true", help="a venv that runs SGLang's server too")

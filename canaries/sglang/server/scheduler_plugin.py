@@ -10,7 +10,7 @@ flushed and fsynced before the record's own handlers run on (a crash that follow
 Nothing here raises into SGLang: a handler that fails is logging's own error.
 
 With a gate file (`CANARY_SERVER_GATE`) requests enter the scheduler as the driver's plan says
-(canaries/server/lockstep.py). With a scenario's spec (`CANARY_SERVER_SPEC`) it also arms the perturbations: before each batch
+(canaries/sglang/server/lockstep.py). With a scenario's spec (`CANARY_SERVER_SPEC`) it also arms the perturbations: before each batch
 the before_step site, and through `site_hooks` the other sites, wrapped into SGLang's
 `mem_cache/common.py`, its unified cache's SWA component and its `Scheduler` as each is imported.
 """
@@ -25,10 +25,10 @@ import time
 import weakref
 from types import ModuleType
 
-from canaries.server import lockstep, site_hooks
-from canaries.server.import_hooks import after_import
-from canaries.server.knobs import KNOB_INDEX_ENV, landing_of_line
-from canaries.server.log_events import events_of_record
+from canaries.sglang.server import lockstep, site_hooks
+from canaries.sglang.server.import_hooks import after_import
+from canaries.sglang.server.knobs import KNOB_INDEX_ENV, landing_of_line
+from canaries.sglang.server.log_events import events_of_record
 
 __all__ = ["EVENT_LOG_ENV", "IDLE_ENV", "PROGRESS_ENV", "EventLogHandler", "install"]
 
@@ -59,7 +59,7 @@ class EventLogHandler(logging.Handler):
         self._seq = 0
         self._lock = threading.Lock()
         self._level = _LEVELS.get(os.environ.get("SGLANG_INVARIANT_CHECK", "0"), "OFF")
-        # {SGLang knob: the scenario perturbation it carries out} (canaries/server/knobs.py)
+        # {SGLang knob: the scenario perturbation it carries out} (canaries/sglang/server/knobs.py)
         self._knob_index: dict[str, int] = json.loads(os.environ.get(KNOB_INDEX_ENV) or "{}")
         self._landings: dict[int, int] = {}
 
@@ -111,7 +111,7 @@ def _watch(scheduler_class: type) -> None:
                        "config": {"invariant_check": handler._level.lower()}})
         original(self, *args, **kwargs)
         _arm_census(self, handler)
-        lockstep.attach(handler.write, handler.step)  # requests enter as the plan says (canaries/server/lockstep.py)
+        lockstep.attach(handler.write, handler.step)  # requests enter as the plan says (canaries/sglang/server/lockstep.py)
         if os.environ.get(SPEC_ENV):
             _arm(self, os.environ[SPEC_ENV], handler.write)
 
@@ -229,10 +229,10 @@ def _note_progress(step: int) -> None:
 
 
 def _arm_census(scheduler: object, handler: EventLogHandler) -> None:
-    """The suite's census of this scheduler's memory (canaries/server/census.py), unless
+    """The suite's census of this scheduler's memory (canaries/sglang/server/census.py), unless
     `CANARY_SERVER_CENSUS=off`; a `census` event says whether it is armed, and if the release's
     objects lack what it reads, which attribute."""
-    from canaries.server.census import CENSUS_ENV, ServerCensus, unreadable
+    from canaries.sglang.server.census import CENSUS_ENV, ServerCensus, unreadable
 
     if os.environ.get(CENSUS_ENV, "on") == "off":
         handler.write({"kind": "census", "step": 0, "armed": False, "reason": f"{CENSUS_ENV}=off"})
@@ -250,7 +250,7 @@ def _arm_census(scheduler: object, handler: EventLogHandler) -> None:
 
 def _arm(scheduler: object, spec_path: str, write) -> None:
     """The scenario's perturbations, on the engine's own Perturber, over SGLang's objects."""
-    from canaries.server.sglang_view import SchedulerFacade, SGLangView
+    from canaries.sglang.server.sglang_view import SchedulerFacade, SGLangView
     from engine_stub.perturb.loader import load_engine_scenario
 
     knobs, perturber = load_engine_scenario(spec_path, sglang_knobs=True)

@@ -5,11 +5,11 @@ that builds SGLang's scheduler, the suite's event log."""
 import os
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-    from canaries.server import cpu_standins
+    from canaries.sglang.server import cpu_standins
 
     cpu_standins.install()
 
 if os.environ.get("CANARY_SERVER_EVENT_LOG"):
-    from canaries.server import scheduler_plugin
+    from canaries.sglang.server import scheduler_plugin
 
     scheduler_plugin.install()

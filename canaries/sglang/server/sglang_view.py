@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from canaries.server.site_hooks import req_state as _state
+from canaries.sglang.server.site_hooks import req_state as _state
 from engine_stub.perturb.sites import ReqState
 from engine_stub.perturb.view import TableView
 

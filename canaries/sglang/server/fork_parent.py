@@ -1,6 +1,6 @@
 """A warm parent for SGLang's server: its modules imported once, each server a fork of it.
 
-    python -m canaries.server.fork_parent SOCKET
+    python -m canaries.sglang.server.fork_parent SOCKET
 
 runs in the server venv, with the plugin directory first on PYTHONPATH and the environment SGLang
 reads at import (`launch.IMPORT_ENV`). It imports what `sglang.launch_server` and the processes it
@@ -61,7 +61,7 @@ def launch(argv: list[str]) -> int:
 
 
 def main(socket_path: str) -> int:
-    from canaries.server import scheduler_plugin
+    from canaries.sglang.server import scheduler_plugin
     from engine_stub import forkserver
 
     # Every server forked from here builds its scheduler in a process of its own: the plugin
@@ -74,6 +74,6 @@ def main(socket_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m canaries.server.fork_parent SOCKET", file=sys.stderr)
+        print("usage: python -m canaries.sglang.server.fork_parent SOCKET", file=sys.stderr)
         sys.exit(2)
     sys.exit(main(sys.argv[1]))

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from canaries.releases.versions import version_key
+from canaries.sglang.releases.versions import version_key
 
 __all__ = ["Lock", "LockPin", "nearest_lock", "normalize", "read_lock"]
 
