@@ -479,7 +479,9 @@ def _harness_failed(scenario: Any, exc: Exception) -> Any:
     record = _unjudged(scenario, "INCONCLUSIVE", f"harness error: {type(exc).__name__}: {exc}", "failed")
     extra = {k: v for k, v in record.extra.items() if k != "interrupted"}
     extra["harness_error"] = "".join(traceback.format_exception(exc))[-4000:]
-    return dataclasses.replace(record, extra=extra, cause=HARNESS)
+    # A runtime that refuses the scenario (ServerUnsupported: it cannot run it) did not fail.
+    refusal = type(exc).__name__ == "ServerUnsupported"
+    return dataclasses.replace(record, extra=extra, cause=None if refusal else HARNESS)
 
 
 def _run_retried(scenario: Any, run_dir: Path, retries: int, **options: Any) -> Any:

@@ -50,12 +50,15 @@ def group_cpu(pgid: int) -> CpuTime | None:
     return (ran / 1e9, waited / 1e9) if seen else None
 
 
-def starved(before: CpuTime | None, after: CpuTime | None, window_s: float) -> str | None:
+def starved(before: CpuTime | None, after: CpuTime | None, window_s: float,
+            max_running: float | None = STARVED_RUNNING) -> str | None:
     """How the machine starved the group between two readings `window_s` apart (it waited for a
-    CPU most of the window and hardly ran), or None (it was not, or /proc cannot say)."""
+    CPU at least half the window and, unless `max_running` is None, ran at most that share of it:
+    a stalled engine that ran more was spinning, its own hang), or None (it was not, or /proc
+    cannot say). None for `max_running` judges a workload that progressed but too slowly."""
     if before is None or after is None or window_s <= 0:
         return None
     ran, waited = max(0.0, after[0] - before[0]), max(0.0, after[1] - before[1])
-    if waited >= STARVED_WAITING * window_s and ran <= STARVED_RUNNING * window_s:
+    if waited >= STARVED_WAITING * window_s and (max_running is None or ran <= max_running * window_s):
         return f"the machine starved the engine: it waited {waited:.0f} s for a CPU and ran {ran:.1f} s"
     return None

@@ -104,14 +104,17 @@ class Watchdog:
 
     def _watch(self) -> None:
         started = last_progress = self._clock()
+        at_start = self._cpu()
         last: Hashable | None = None
         stalled_from: tuple[float, CpuTime | None] | None = None  # when a stall began, its CPU reading
         while not self._stop.wait(self.patience.poll_s):
             now = self._clock()
             outstanding = self.outstanding
             if now - started >= self.patience.hard_cap_s and outstanding:
+                # It progressed, too slowly: the machine's fault if the engine mostly waited for a CPU.
+                self.starved = starved(at_start, self._cpu(), now - started, max_running=None)
                 self._fire(f"hard cap: the workload ran {self.patience.hard_cap_s:g} s with "
-                           f"{outstanding} request(s) outstanding")
+                           f"{outstanding} request(s) outstanding" + (f" ({self.starved})" if self.starved else ""))
                 return
             if not outstanding:
                 last_progress, stalled_from = now, None  # the stall clock runs only while answers are owed

@@ -80,7 +80,8 @@ def test_patience_with_a_bad_field_is_refused_naming_it(kwargs, named):
 
 
 def test_watchdog_stall_while_the_machine_starves_the_engine_says_so():
-    readings = iter([(1.0, 0.0), (1.0, 50.0)])  # (ran, waited for a CPU) at the stall's start, at the cut
+    # (ran, waited for a CPU): at the workload's start, at the stall's start, at the cut
+    readings = iter([(0.0, 0.0), (1.0, 0.0), (1.0, 50.0)])
     with Watchdog(Patience(stall_s=0.2, hard_cap_s=30, poll_s=0.02), probe=lambda: (7, 0, 0),
                   cpu=lambda: next(readings, (1.0, 50.0))) as dog:
         dog.track(lambda: None)
@@ -104,3 +105,13 @@ def test_group_cpu_reads_this_process_group():
 
     ran, waited = group_cpu(os.getpgrp())
     assert ran > 0 and waited >= 0
+
+
+def test_watchdog_hard_cap_while_the_machine_starves_the_engine_says_so():
+    readings = iter([(0.0, 0.0)])  # at the start; then it ran a little and mostly waited
+    steps = iter(range(10**6))
+    with Watchdog(Patience(stall_s=0.1, hard_cap_s=0.3, poll_s=0.02), probe=lambda: next(steps),
+                  cpu=lambda: next(readings, (0.2, 0.25))) as dog:
+        dog.track(lambda: None)
+        time.sleep(1.0)
+    assert dog.reason.startswith("hard cap") and dog.starved and "starved" in dog.reason

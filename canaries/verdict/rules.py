@@ -225,7 +225,8 @@ RULES: tuple[Rule, ...] = (run_told_nothing, clean_control, not_injected, silent
 
 def harness_failure(f: Facts) -> bool:
     """Whether the harness, not the engine under test, left the run without a verdict: a harness
-    error (not a refusal), a stall while the machine starved the engine, lost connections."""
+    error (not a refusal), a stall or a workload past its hard cap while the machine starved the
+    engine, lost connections."""
     obs = f.obs
     return bool((obs.error and not obs.unsupported) or (obs.timed_out and obs.starved) or f.lost)
 
