@@ -78,14 +78,16 @@ def test_plugin_writes_sglang_records_as_events_stamped_with_the_scheduler_step(
                 logging.getLogger("sglang").removeHandler(handler)
                 handler.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [e["kind"] for e in events] == ["engine_start", "perturbation_landed", "canary_violation",
+    assert [e["kind"] for e in events] == ["engine_start", "census", "perturbation_landed", "canary_violation",
                                            "canary_violation", "invariant_firing"]
+    census = events.pop(1)  # a scheduler with no memory pools: the census says it cannot read one
+    assert census["armed"] is False and census["unreadable"] is True
     landed = events[1]
     assert landed["step"] == 2 and landed["index"] == 0 and landed["landing"] == 1
     assert landed["damage"] == [{"kind": "req_to_token", "position": 2, "row": 4, "before": 3, "after": 1,
                                  "detail": "sglang_perturb"}]
     assert {e["step"] for e in events[2:]} == {3}
-    assert events[4]["level"] == "WARN" and [e["seq"] for e in events] == [1, 2, 3, 4, 5]
+    assert events[4]["level"] == "WARN" and [e["seq"] for e in events] == [1, 3, 4, 5, 6]
 
 
 def test_scheduler_death_by_an_idle_leak_is_that_ledgers_crash() -> None:

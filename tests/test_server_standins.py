@@ -139,7 +139,7 @@ def test_launch_refuses_knobs_the_server_cannot_express(tmp_path: Path) -> None:
 
 
 def test_only_kinds_with_a_hook_in_sglangs_scheduler_are_placed_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    from canaries.runtime import sglang_server
+    from canaries.sglang import runtime as sglang_server
     from engine_stub.perturb.kinds import KINDS
 
     assert sglang_server.unsupported_kinds([{"kind": name} for name in KINDS]) == []

@@ -71,8 +71,8 @@ def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path
     """`free-swa-contract-removed` drops PR #36723's check from SGLang's own `free_swa`: the
     library's corrupt-r2t-zero-page1 (DETECTED by `swa.peer_mapped` on the unmodified release's
     server) lands its perturbation and none of SGLang's checks fires (the census switched off);
-    the suite's census, inside the same scheduler, sees the padding slot a request row names and
-    the SWA peer nobody owns."""
+    the suite's census, inside the same scheduler, sees the padding slot a request row names (and,
+    as the scheduler's timing falls, the SWA peer nobody owns or the ledger drifting with it)."""
     _require_server_venv()
     from canaries.sglang.releases.patches import patched_interpreter
     from canaries.sglang.server.census import CENSUS_ENV
@@ -86,8 +86,9 @@ def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path
     assert blind.to_dict()["landed"], "the perturbation landed on SGLang's table"
     monkeypatch.delenv(CENSUS_ENV)
     seen = run_scenario(scenario, tmp_path / "census", runtime="sglang-server", engine_python=str(python))
-    assert {"census.slot_owner", "census.peer_live"} <= {f["detector"] for f in seen.firings}, seen.reason
-    assert "swa.peer_mapped" not in {f["detector"] for f in seen.firings}
+    fired = {f["detector"] for f in seen.firings}
+    assert seen.verdict == "DETECTED" and "census.slot_owner" in fired, seen.reason
+    assert "swa.peer_mapped" not in fired and all(d.startswith("census.") for d in fired), fired
     assert _processes_under(tmp_path) == []
 
 

@@ -164,7 +164,54 @@ class WarmProcess:
         return self.returncode
 
 
-class ForkServer:
+class _RetiringServer:
+    """What both kinds of fork parent share: the engines forked and not yet seen exit, and
+    retirement (fork nothing more; close once the last of them has exited), so that closing a
+    parent never kills an engine another part of the harness still uses."""
+
+    def _track_children(self) -> None:
+        self._children: set[WarmProcess] = set()
+        self._children_lock = threading.Lock()
+        self._retired = False
+
+    def _tracked(self, proc: WarmProcess) -> WarmProcess:
+        with self._children_lock:
+            if proc.returncode is None:
+                self._children.add(proc)
+        return proc
+
+    def _child_exited(self, proc: WarmProcess) -> None:
+        with self._children_lock:
+            self._children.discard(proc)
+            last = self._retired and not self._children
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        """Fork nothing more; close once every engine forked so far has exited (at once if none
+        is alive). An engine another part of the harness started from this server (a clean server
+        of the oracle, beside another column's) lives until its own stop."""
+        with self._children_lock:
+            self._retired = True
+            idle = not self._children
+            if not idle:
+                with _RETIRED_LOCK:
+                    _RETIRED.add(self)
+        if idle:
+            self.close()
+
+    def _forget_children(self) -> None:
+        """On close: its engines die with it; dropping them breaks the engine <-> server cycle
+        (their exit callback is ours), so an engine's socket is closed by its own finalizer
+        rather than left to the garbage collector's order."""
+        with self._children_lock:
+            self._children.clear()
+
+    def close(self, keep_log: bool = False) -> None:
+        raise NotImplementedError
+
+
+class ForkServer(_RetiringServer):
     """The harness's handle on one running fork server."""
 
     def __init__(self, python: str | None = None, engine_root: str | os.PathLike | None = None,
@@ -186,11 +233,7 @@ class ForkServer:
         self.env = env  # what its children see unless a request says otherwise (a patched parent's)
         self.dependents: set[PatchedForkServer] = set()  # patched parents forked from it, still serving
         self.close_requested = False  # closed by its column while a patched parent still serves
-        # Engines forked and not yet seen exit, and whether the server is retired (no new fork;
-        # closed once the last of them has exited).
-        self._children: set[WarmProcess] = set()
-        self._children_lock = threading.Lock()
-        self._retired = False
+        self._track_children()
         self.log_path = self._dir / "forkserver.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -233,36 +276,14 @@ class ForkServer:
         RuntimeError if the server refuses or does not answer within FORK_ANSWER_TIMEOUT_S
         (ForkProtocolError, a RuntimeError, if it answers out of protocol). `patched_site`: fork
         a parent for that patched mirror instead (`PatchedForkServer`)."""
-        proc = _request_fork(self.socket_path, argv, env, log_path, cwd, patched_site, on_exit=self._child_exited)
-        with self._children_lock:
-            if proc.returncode is None:
-                self._children.add(proc)
-        return proc
-
-    def _child_exited(self, proc: WarmProcess) -> None:
-        with self._children_lock:
-            self._children.discard(proc)
-            last = self._retired and not self._children
-        if last:
-            self.close()
-
-    def retire(self) -> None:
-        """Fork nothing more; close once every engine forked so far has exited (at once if none
-        is alive). An engine another part of the harness started from this server (a clean server
-        of the oracle, beside another column's) lives until its own stop."""
-        with self._children_lock:
-            self._retired = True
-            idle = not self._children
-            if not idle:
-                with _RETIRED_LOCK:
-                    _RETIRED.add(self)
-        if idle:
-            self.close()
+        return self._tracked(_request_fork(self.socket_path, argv, env, log_path, cwd, patched_site,
+                                           on_exit=self._child_exited))
 
     def close(self, keep_log: bool = False) -> None:
         """Stop the server; it kills whatever engines it still has."""
         with _RETIRED_LOCK:
             _RETIRED.discard(self)
+        self._forget_children()
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -282,7 +303,7 @@ class PatchedParentRefused(RuntimeError):
     """A patched copy could not be loaded into a fork of its base's parent; the message says why."""
 
 
-class PatchedForkServer:
+class PatchedForkServer(_RetiringServer):
     """A fork parent for a patched copy of a release: a fork of the release's own warm parent
     (`base`) with the patched files loaded in place (`engine_stub.hotpatch`), nothing imported
     again. It speaks the same protocol on a socket of its own and lives until `close` (or until
@@ -294,6 +315,7 @@ class PatchedForkServer:
         self._dir = Path(tempfile.mkdtemp(prefix="canary-forkserver-"))
         self.socket_path = str(self._dir / "sock")
         self.log_path = self._dir / "forkserver.log"
+        self._track_children()
         try:
             self.proc = base.spawn([self.socket_path], base.env, self.log_path, cwd=self._dir, patched_site=site)
         except RuntimeError as exc:
@@ -314,11 +336,14 @@ class PatchedForkServer:
     def spawn(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
               cwd: str | os.PathLike | None = None) -> WarmProcess:
         """As `ForkServer.spawn`, from the patched copy."""
-        return _request_fork(self.socket_path, argv, env, log_path, cwd)
+        return self._tracked(_request_fork(self.socket_path, argv, env, log_path, cwd, on_exit=self._child_exited))
 
     def close(self, keep_log: bool = False) -> None:
         """Stop this parent (it kills whatever engines it still has); the base's parent goes too
         if its own column asked it to close meanwhile."""
+        with _RETIRED_LOCK:
+            _RETIRED.discard(self)
+        self._forget_children()
         self.proc.hang_up()  # its lifeline: it kills its engines and exits
         try:
             self.proc.wait(10)
@@ -392,7 +417,7 @@ _ServerKey = tuple[str, "str | None", tuple[str, ...], str, tuple[tuple[str, str
 _SERVERS: dict[_ServerKey, ForkServer | PatchedForkServer] = {}
 _SERVER_LOCK = threading.Lock()  # guards _SERVERS and _STARTING only, never held over a start
 _STARTING: dict[_ServerKey, threading.Lock] = {}  # one start at a time per key, others in parallel
-_RETIRED: set[ForkServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
+_RETIRED: set[_RetiringServer] = set()  # closed by `close_fork_server` while engines of theirs still ran
 _RETIRED_LOCK = threading.Lock()
 # A patched interpreter (canaries.sglang.releases.patches.patched_interpreter) -> the release's own
 # interpreter and the patched mirror it puts first on the path.
@@ -483,10 +508,7 @@ def close_fork_server(python: str | None = None, engine_root: str | os.PathLike 
             server.close_requested = True
             continue
         _drop(server)
-        if isinstance(server, ForkServer):
-            server.retire()
-        else:
-            server.close()
+        server.retire()
 
 
 def prestart(python: str | None = None, engine_root: str | os.PathLike | None = None,
