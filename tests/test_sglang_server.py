@@ -87,7 +87,9 @@ def test_allocator_regression_escapes_sglangs_checks_and_not_the_census(tmp_path
     monkeypatch.delenv(CENSUS_ENV)
     seen = run_scenario(scenario, tmp_path / "census", runtime="sglang-server", engine_python=str(python))
     fired = {f["detector"] for f in seen.firings}
-    assert seen.verdict == "DETECTED" and "census.slot_owner" in fired, seen.reason
+    # Caught, by the wrong detector for the scenario (it expects SGLang's own check): the gate
+    # still tells the edited release from the unmodified one, and the census says what it saw.
+    assert seen.verdict == "WRONG_DETECTOR" and "census.slot_owner" in fired, seen.reason
     assert "swa.peer_mapped" not in fired and all(d.startswith("census.") for d in fired), fired
     assert _processes_under(tmp_path) == []
 

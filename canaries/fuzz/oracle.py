@@ -198,8 +198,8 @@ def _server_answers(scenario: Any, record: Any, run_dir: Path, responses: list[d
     records it), else computed now."""
     from canaries.driver import make_plan
     from canaries.runner import patience_for
-    from canaries.sglang.runtime import SGLangServerRuntime
     from canaries.sglang.oracle import answer_mismatches
+    from canaries.sglang.runtime import SGLangServerRuntime
 
     judged = record.extra.get("oracle") or {}
     if judged.get("judged") and "differs" in judged:

@@ -337,16 +337,23 @@ def run_matrix(scenarios: Sequence[Any], releases: Sequence[ReleaseSpec], report
         if value is not None and value not in labels:
             raise ReleaseError(f"{name} {value}: not one of the columns ({', '.join(labels)})")
     report_dir = Path(report_dir)
+    made_report_dir = not report_dir.exists()
     report_dir.mkdir(parents=True, exist_ok=True)
     # What each column is, fingerprinted before anything runs (a wheel or tree changed during
     # the run would not match the report).
     provenance = {spec.label: spec.provenance() for spec in releases}
-    # Venvs first: a release that cannot be had fails the run before anything runs.
+    # Venvs first: a release that cannot be had fails the run before anything runs (and leaves
+    # no empty report directory behind).
     pythons: dict[SGLangSource, Path] = {}
-    for spec in releases:
-        if spec.base not in pythons:
-            pythons[spec.base] = release_python(spec.base, build=build, log=log, server=server,
-                                                build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
+    try:
+        for spec in releases:
+            if spec.base not in pythons:
+                pythons[spec.base] = release_python(spec.base, build=build, log=log, server=server,
+                                                    build_log=report_dir / f"venv-{file_label(spec.base.label)}.log")
+    except BaseException:
+        if made_report_dir and not any(report_dir.iterdir()):
+            report_dir.rmdir()
+        raise
     with tempfile.TemporaryDirectory(prefix="canary-matrix-") as scratch:
         interpreters: dict[str, tuple[Path, str]] = {}
         for spec in releases:

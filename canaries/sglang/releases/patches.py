@@ -113,6 +113,30 @@ _CATALOGUE = (
                "holds, then locks that node again: the request releases one of the two at its finish and "
                "the node stays locked for good (an insert that adds no page: a short answer on page 16)",
     ),
+    SGLangPatch(
+        name="early-swa-release-keeps-lock",
+        file="srt/mem_cache/unified_radix_cache.py",
+        old=("        result = self.tree_core.dec_swa_lock_only(lock.node, lock.receipt)\n"
+             "        self._apply_eviction_result(result)\n        lock.swa_released = True\n"),
+        new="        lock.swa_released = True\n",
+        models="release_swa (the decode's early release of a cached prefix's SWA lock once the window has "
+               "moved past it) marks the lock released without releasing it: the unlock at the request's "
+               "finish skips SWA, and the prefix's SWA stays locked after its request is gone",
+    ),
+    SGLangPatch(
+        name="insert-forgets-swa-evicted-prefix",
+        file="srt/mem_cache/unified_cache/components/swa.py",
+        old=("        # that boundary so insertion creates a tombstone instead of live SWA KV.\n"
+             "        insert_params.set_evicted_seqlen(\n"
+             "            self.component_type, req.kv.get_evicted_seqlen(self.component_type)\n"),
+        new=("        # that boundary so insertion creates a tombstone instead of live SWA KV.\n"
+             "        insert_params.set_evicted_seqlen(\n"
+             "            self.component_type, req.kv.cache_protected_len\n"),
+        models="the SWA component's insert of a request into the tree forgets how far window eviction has "
+               "freed the request's SWA: the range already freed is inserted as live SWA instead of a "
+               "tombstone, so a tree node holds SWA slots the free list holds too (no answer reads them: "
+               "they are out of every later request's window)",
+    ),
 )
 
 
