@@ -105,6 +105,26 @@ def test_gate_that_waits_past_its_timeout_lets_the_pass_go_and_says_so(tmp_path)
     assert events[0]["kind"] == "gate_timeout" and events[0]["in_flight"] == 1 and events[0]["want"] == 2
 
 
+def test_request_pulled_as_the_plan_is_written_is_counted_and_held(tmp_path):
+    """The race of a real run (a pass of 60 s gate timeouts after each step): the scheduler read
+    the empty gate file, then the driver wrote its plan and sent r0000, which the same pass pulled."""
+    path = tmp_path / "gate.jsonl"
+    path.write_text("")
+    events: list[dict] = []
+    gate = LockstepGate(path, events.append, step=lambda: 1)
+    notes = GateNotes(path, timeout_s=0.2)
+
+    def pull(first: bool) -> list:
+        if first:
+            notes.planned([Planned(f"r{i:04d}", [1, 2], 4) for i in range(2)], 1)
+            return [TokenizedGenerateReqInput("r0000")]
+        return []
+
+    assert gate.admit(pull) == [TokenizedGenerateReqInput("r0000")]
+    assert gate.timeouts == 0 and events == [{"kind": "admitted", "step": 1, "rids": ["r0000"]}]
+    assert gate.ready()  # the next pass does not wait for r0000 again
+
+
 def test_without_a_plan_everything_passes_at_once(tmp_path):
     (tmp_path / "gate.jsonl").write_text("")
     gate = LockstepGate(tmp_path / "gate.jsonl")

@@ -156,7 +156,7 @@ class LockstepGate:
         flight): arrived and not gone, plus held follow-ups whose earlier request is not."""
         owed = sum(1 for rid in self.order if not self._gone(rid))
         want = min(self.concurrency or owed, owed)
-        present = sum(1 for rid in self.arrived if not self._gone(rid))
+        present = sum(1 for rid in self.arrived if rid in self.order and not self._gone(rid))
         held = sum(1 for rid, waits_for in self.held.items()
                    if rid not in self.arrived and not self._gone(rid) and not self._gone(waits_for))
         return present + held, want
@@ -183,7 +183,13 @@ class LockstepGate:
         first, deadline = True, None
         while True:
             self.read_notes()
-            for obj in pull(first):
+            arrivals = list(pull(first))
+            if arrivals and not self.order:
+                # The driver notes its plan before it sends anything, so a request pulled now
+                # may have a plan written after the read above: read again before sorting, or
+                # the request passes uncounted and every later pass waits for it in vain.
+                self.read_notes()
+            for obj in arrivals:
                 self._sort(obj, passing)
             first = False
             if not self.order or self.ready():
@@ -206,10 +212,11 @@ class LockstepGate:
 
     def _sort(self, obj: Any, passing: list[Any]) -> None:
         kind, rid = type(obj).__name__, getattr(obj, "rid", None)
-        if kind == _GENERATE and isinstance(rid, str) and rid in self.order:
-            self.arrived.add(rid)
-            self._held_back.append(obj)
-            return
+        if kind == _GENERATE and isinstance(rid, str):
+            self.arrived.add(rid)  # one that passed before any plan still counts once the plan comes
+            if rid in self.order:
+                self._held_back.append(obj)
+                return
         if kind == _ABORT and isinstance(rid, str):
             self.aborts.add(rid)
         passing.append(obj)
