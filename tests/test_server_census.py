@@ -68,14 +68,21 @@ def _gate(report: Path, scenario: Path, candidate: str, census: str) -> tuple[in
     return proc.returncode, json.loads((report / "matrix.json").read_text(encoding="utf-8")), proc.stdout + proc.stderr
 
 
-def test_census_fails_the_gate_on_a_lock_leak_sglangs_own_checks_pass(tmp_path: Path) -> None:
-    """`relock-same-node-leaks` (canaries/sglang/releases/patches.py): an insert that adds no page leaves
-    its node locked twice, and one lock outlives the request. No answer changes and SGLang's idle
-    ledger balances (the node is protected instead of evictable): with SGLang's checks alone the
-    gate passes; with the census it fails, naming the control and census.lock_count."""
+@pytest.mark.parametrize(("candidate", "scenario_name"), [
+    ("0.5.23+relock-same-node-leaks", "clean-radix-two-node-match-page16"),
+    ("0.5.23+unlock-only-when-checkpointed", "clean-server-retraction-radix"),
+    ("0.5.23+admission-pin-kept", "clean-cache-hits"),
+])
+def test_census_fails_the_gate_on_a_lock_leak_sglangs_own_checks_pass(tmp_path: Path, candidate: str,
+                                                                     scenario_name: str) -> None:
+    """Three lock-lifetime regressions of the catalogue (canaries/sglang/releases/patches.py): an
+    insert that adds no page relocks its node, a retracted request keeps its lock, the prefill
+    adder's pin of a matched prefix is never taken out. Each leaves a lock no request holds; no
+    answer changes and SGLang's idle ledger balances (the node is protected instead of
+    evictable): with SGLang's checks alone the gate passes; with the census it fails, naming the
+    control and census.lock_count."""
     _server_python()
-    scenario = SCENARIOS / "clean-radix-two-node-match-page16.yaml"
-    candidate = "0.5.23+relock-same-node-leaks"
+    scenario = SCENARIOS / f"{scenario_name}.yaml"
     code, doc, out = _gate(tmp_path / "sglang-only", scenario, candidate, "off")
     assert code == 0 and doc["gate"]["regressions"] == [], out
     assert doc["scenarios"][scenario.stem][candidate]["verdict"] == "CLEAN"

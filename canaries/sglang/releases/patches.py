@@ -114,6 +114,15 @@ _CATALOGUE = (
                "the node stays locked for good (an insert that adds no page: a short answer on page 16)",
     ),
     SGLangPatch(
+        name="admission-pin-kept",
+        file="srt/managers/schedule_policy.py",
+        old="            finally:\n                self.tree_cache.unlock(lock)\n",
+        new="            finally:\n                pass  # canary: the pin is never taken out\n",
+        models="the prefill adder's temporary pin of a waiting request's matched prefix (`_lock_node`, "
+               "taken while it checks whether the request fits) is never released: every admission probe "
+               "of a request with a cache hit leaves a lock on the matched node that no request holds",
+    ),
+    SGLangPatch(
         name="early-swa-release-keeps-lock",
         file="srt/mem_cache/unified_radix_cache.py",
         old=("        result = self.tree_core.dec_swa_lock_only(lock.node, lock.receipt)\n"
