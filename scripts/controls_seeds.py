@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's canaries, installed or not (run as a script)
 LIBRARY = ROOT / "configs" / "scenarios"
 
 
@@ -103,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                               cwd=ROOT, capture_output=True, text=True, check=False)
         wall = time.monotonic() - t0
         verdicts_file = report / "verdicts.jsonl"
-        if not verdicts_file.is_file():
+        if proc.returncode not in (0, 1) or not verdicts_file.is_file():  # 1: a verdict failed
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-            print("controls: the run wrote no verdicts", file=sys.stderr)
+            print(f"controls: `canary run` exited {proc.returncode}"
+                  + ("" if verdicts_file.is_file() else " and wrote no verdicts"), file=sys.stderr)
             return 2
         records = {}
         for line in verdicts_file.read_text(encoding="utf-8").splitlines():
