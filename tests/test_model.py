@@ -121,6 +121,53 @@ def test_perturbed_key_changes_logits_only_inside_window(
     assert torch.equal(base, after) is not changes
 
 
+def _two_request_prefill(model: TinyHybridModel, pool: HybridKVPool, table: torch.Tensor,
+                         lens: tuple[int, int], prefix: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """One extend of two requests (rows 0 and 1), `lens[i]` new tokens after `prefix[i]` cached."""
+    ids = torch.tensor(_prompt(5, lens[0]) + _prompt(6, lens[1]))
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens, strict=True)])
+    slots = torch.cat([table[r, p:p + n].long() for r, (p, n) in enumerate(zip(prefix, lens, strict=True))])
+    batch = ForwardBatch([0, 1], list(prefix), [p + n for p, n in zip(prefix, lens, strict=True)], ids, positions,
+                         slots)
+    return model.forward(batch, pool, table)
+
+
+@pytest.mark.parametrize(("lens", "prefix"), [((13, 3), (0, 0)), ((5, 9), (11, 2)), ((1, 17), (20, 0))])
+def test_batched_extend_of_unequal_requests_matches_reference_logits(
+    lens: tuple[int, int], prefix: tuple[int, int]
+) -> None:
+    model = TinyHybridModel(ModelConfig(PATTERN, WINDOW, seed=3))
+    pool = HybridKVPool(layer_pattern=PATTERN, full_size=128, swa_size=128, page_size=1, num_heads=2,
+                        head_dim=16, full_to_swa_index_mapping=torch.arange(129))
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    table[0, :40] = torch.arange(1, 41, dtype=torch.int32)
+    table[1, :40] = torch.arange(41, 81, dtype=torch.int32)
+    if any(prefix):  # the cached prefixes' KV first, each request alone
+        for row, cached in enumerate(prefix):
+            if cached:
+                ids = torch.tensor((_prompt(5, 40) if row == 0 else _prompt(6, 40))[:cached])
+                model.forward(ForwardBatch([row], [0], [cached], ids, torch.arange(cached),
+                                           table[row, :cached].long()), pool, table)
+    logits = _two_request_prefill(model, pool, table, lens, prefix)
+    # The same tokens' reference: each request's cached prefix then its new tokens.
+    for row, (n, cached) in enumerate(zip(lens, prefix, strict=True)):
+        full = (_prompt(5, 40) if row == 0 else _prompt(6, 40))[:cached] if cached else []
+        new = _prompt(5, n) if row == 0 else _prompt(6, n)
+        torch.testing.assert_close(logits[row:row + 1], model.reference_logits(full + new), rtol=0, atol=1e-9)
+
+
+def test_nan_value_outside_the_window_never_reaches_logits_and_inside_does() -> None:
+    # The NaN guard: a masked value is zeroed per query (0 * NaN would poison the sum).
+    prompt_len = 20
+    model, pool, table, _ = _pooled_decode_setup(prompt_len)
+    base = _decode_logits(model, pool, table, prompt_len)
+    swa_layer = PATTERN.index("S")
+    pool.v_buffer[swa_layer][prompt_len - WINDOW - 2 + 1] = float("nan")  # out of the decode's window
+    assert torch.equal(_decode_logits(model, pool, table, prompt_len), base)
+    pool.v_buffer[swa_layer][prompt_len - 1 + 1] = float("nan")  # the newest earlier position: read
+    assert not torch.isfinite(_decode_logits(model, pool, table, prompt_len)).any()
+
+
 def test_reference_ignores_tokens_beyond_window_only_in_swa_layers() -> None:
     # With only SWA layers, the receptive field of the last token is bounded by
     # layers x (window - 1) positions: a change further back cannot reach the logits.

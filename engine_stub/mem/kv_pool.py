@@ -63,12 +63,19 @@ class HybridKVPool:
         return full_slots.to(torch.int64)
 
     def set_kv(self, layer: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = self.rows_of(layer, full_slots)
+        self.set_kv_rows(layer, self.rows_of(layer, full_slots), k, v)
+
+    def get_kv(self, layer: int, full_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_kv_rows(layer, self.rows_of(layer, full_slots))
+
+    def set_kv_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`set_kv` at buffer rows already translated by `rows_of` (a forward translates a step's
+        slots once per group, not once per layer: the mapping cannot move inside a forward)."""
         self.k_buffer[layer].index_copy_(0, rows, k)
         self.v_buffer[layer].index_copy_(0, rows, v)
 
-    def get_kv(self, layer: int, full_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.rows_of(layer, full_slots)
+    def get_kv_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`get_kv` at buffer rows already translated by `rows_of`."""
         return self.k_buffer[layer][rows], self.v_buffer[layer][rows]
 
     def group_layers(self, swa: bool) -> list[int]:
