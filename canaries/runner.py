@@ -476,11 +476,12 @@ def _harness_failed(scenario: Any, exc: Exception) -> Any:
 
     from canaries.verdict.record import HARNESS
 
-    record = _unjudged(scenario, "INCONCLUSIVE", f"harness error: {type(exc).__name__}: {exc}", "failed")
-    extra = {k: v for k, v in record.extra.items() if k != "interrupted"}
-    extra["harness_error"] = "".join(traceback.format_exception(exc))[-4000:]
     # A runtime that refuses the scenario (ServerUnsupported: it cannot run it) did not fail.
     refusal = type(exc).__name__ == "ServerUnsupported"
+    said = "not run on this runtime" if refusal else "harness error"
+    record = _unjudged(scenario, "INCONCLUSIVE", f"{said}: {type(exc).__name__}: {exc}", "failed")
+    extra = {k: v for k, v in record.extra.items() if k != "interrupted"}
+    extra["harness_error"] = "".join(traceback.format_exception(exc))[-4000:]
     return dataclasses.replace(record, extra=extra, cause=None if refusal else HARNESS)
 
 
