@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import secrets
@@ -131,7 +132,13 @@ def spec_for(scenario: Any, device: str | None = None, memory: str | None = None
 
 @functools.lru_cache(maxsize=8)
 def _oracle_model(layer_pattern: str, window: int, hidden_size: int, num_heads: int, seed: int):
+    import torch
+
     from engine_stub.model import ModelConfig, TinyHybridModel
+
+    # One thread, as each engine runs: the oracle shares the cores with the engines it judges, and
+    # at these sizes a second thread only spins.
+    torch.set_num_threads(1)
 
     return TinyHybridModel(ModelConfig(layer_pattern=layer_pattern, window=window,
                                        hidden_size=hidden_size, num_heads=num_heads, seed=seed))
@@ -550,6 +557,13 @@ def run_many(scenarios: Sequence[Any], report_dir: str | os.PathLike, jobs: int 
     n = len(scenarios)
     _CANCEL.clear()
     set_stopping(False)
+
+    if runtime != "sglang-server":
+        # Our engine's oracle needs torch in this process: imported beside the first engines'
+        # start (a warm parent's import, on the other core), not after the first scenario's drive.
+        # Not a daemon: an interpreter that exits mid-import of torch can crash in its finalizer.
+        threading.Thread(target=importlib.import_module, args=("engine_stub.model",), daemon=False,
+                         name="oracle-import").start()
 
     from canaries.progress import progress_for
 
