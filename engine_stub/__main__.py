@@ -8,10 +8,14 @@ a free port; either way it prints one line `engine_stub ready on http://HOST:POR
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sys
+import threading
+from typing import Any
 
 from engine_stub.config import ConfigError, add_config_flags, config_from_sources
 
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.events.write("listening", host=config.host, port=port)
     engine.start()
     app = create_app(engine)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+    server = _prompt_server_class(uvicorn)(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30), engine)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it found; with
     # Python's defaults that kills the process (-15) after a clean shutdown. This handler asks
     # for the same drain instead, also for a signal that lands before uvicorn installs its own.
@@ -82,6 +87,49 @@ def main(argv: list[str] | None = None) -> int:
     _notify_ready(ready)
     server.run(sockets=[sock])
     return 0
+
+
+def _prompt_server_class(uvicorn: Any) -> type:
+    """uvicorn's Server, stopping at once when it is asked to and nothing is left to drain.
+
+    Asked (SIGTERM, SIGINT), uvicorn notices at its next 0.1 s tick (a signal another thread
+    took wakes nobody), then gives open connections another 0.1 s: a harness that stops an
+    engine per scenario pays both every time. Here the signal wakes the loop (a wakeup fd), and
+    with no connection open and no request in flight the engine drains and exits at once, as
+    the app's shutdown would; otherwise uvicorn drains the answers in flight first, as before.
+    """
+
+    class PromptServer(uvicorn.Server):
+        def __init__(self, config: Any, engine: Any) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if threading.current_thread() is not threading.main_thread():
+                return  # signals reach only the main thread's handlers
+            wake_r, wake_w = socket.socketpair()
+            wake_r.setblocking(False)
+            wake_w.setblocking(False)
+            self._wake = (wake_r, wake_w)  # kept open for the process's life
+            asyncio.get_running_loop().add_reader(wake_r.fileno(), wake_r.recv, 512)
+            signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            with contextlib.suppress(RuntimeError):  # no loop yet: uvicorn sees should_exit
+                asyncio.get_running_loop().call_soon(self._exit_if_nothing_to_drain)
+
+        def _exit_if_nothing_to_drain(self) -> None:
+            state = self.server_state
+            if state.connections or state.tasks:
+                return
+            self.engine.stop()  # the loop blocks meanwhile: nobody is waiting on it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+    return PromptServer
 
 
 def _notify_ready(line: str) -> None:

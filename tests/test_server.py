@@ -320,6 +320,48 @@ def test_openai_client_against_real_server_then_sigterm_exits_cleanly(tmp_path: 
     assert kinds.count("request_finished") == 2
 
 
+def test_sigterm_with_a_request_in_flight_answers_it_in_full_then_exits_cleanly(tmp_path: Path) -> None:
+    # The prompt exit (engine_stub/__main__.py) takes only a server with nothing in flight: an
+    # answer being produced is finished first, never cut short.
+    event_log = tmp_path / "events.jsonl"
+    server = start_server(event_log, "--step-delay-s", "0.05")
+    answers: list[httpx.Response] = []
+    try:
+        asking = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{server.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 12}},
+            timeout=60)))
+        asking.start()
+        deadline = time.monotonic() + 30
+        while not any(e["kind"] == "admitted" or e["kind"] == "step" for e in read_events(event_log)):
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        asking.join(timeout=60)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    assert len(answers) == 1 and answers[0].status_code == 200
+    assert len(answers[0].json()["output_ids"]) == 12
+    kinds = [e["kind"] for e in read_events(event_log)]
+    assert kinds[-1] == "shutdown" and kinds.count("request_finished") == 1
+
+
+def test_sigterm_with_nothing_in_flight_drains_the_engine_and_exits_cleanly(tmp_path: Path) -> None:
+    event_log = tmp_path / "events.jsonl"
+    server = start_server(event_log)
+    try:
+        answer = httpx.post(f"{server.url}/generate", json={"input_ids": [5], "sampling_params":
+                                                             {"max_new_tokens": 2}}, timeout=30)
+        assert answer.status_code == 200
+        time.sleep(0.3)  # the client's connection closed on the server's side too
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    shutdown = read_events(event_log)[-1]
+    assert shutdown["kind"] == "shutdown" and shutdown["completed"] == 1
+
+
 # ---- sampling: any accepted temperature gets an answer -----------------------------------------
 
 
