@@ -309,7 +309,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     (`scenario.yaml`), so `canary repro` can rerun exactly that.
     """
     from canaries.runtime import get_runtime
-    from canaries.sglang.parity import UNSUPPORTED_NOTE
+    from canaries.sglang.parity import UNSUPPORTED_NOTE, unsupported_reason
     from canaries.verdict import Observation, judge
 
     run_dir = Path(run_dir)
@@ -388,7 +388,11 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
     except RuntimeError as exc:  # the engine never became ready (or its fork server failed)
         error = str(exc)
         timed_out = "not ready within" in error
-        unsupported = (run_dir / UNSUPPORTED_NOTE).is_file()  # a refusal, not a failure
+        # A refusal, not a failure (never retried as the harness's): the runtime's note, or the
+        # release's own (an engine that stopped at start with ReleaseUnsupported: no CPU path).
+        unsupported = (run_dir / UNSUPPORTED_NOTE).is_file()
+        if not unsupported and (refused := unsupported_reason(run_dir)):
+            unsupported, error = True, f"ReleaseUnsupported: {refused}"
     except Exception as exc:  # noqa: BLE001 - a harness failure is this scenario's verdict, not the run's end
         error = f"{type(exc).__name__}: {exc}"
     finally:

@@ -75,3 +75,34 @@ def test_run_many_retries_a_run_the_harness_failed_and_keeps_the_engines_verdict
     assert record.extra["harness_retries"] == ["harness error: ConnectionResetError: planted: connection reset by peer"]
     assert (tmp_path / "report" / "clean-page1-radix.harness-1" / "verdict.json").is_file()
     assert engines_under(tmp_path) == []
+
+
+class _RefusingRuntime:
+    """An engine that stops at start the way a release without a CPU path does."""
+
+    starts: list[Path] = []
+
+    def __init__(self, **options: object) -> None:
+        self.running = False
+
+    def start(self, spec_path: Path, run_dir: Path) -> str:
+        type(self).starts.append(Path(run_dir))
+        (Path(run_dir) / "engine.log").write_text(
+            "engine_stub.mem.sglang_backend.ReleaseUnsupported: SGLang 0.5.18's PagedTokenToKVPoolAllocator "
+            "launches its Triton kernels: page_size 16 needs a CUDA device with this release\n", encoding="utf-8")
+        raise RuntimeError("the engine exited with code 1 before it was ready")
+
+    def stop(self, timeout: float = 10.0) -> int:
+        return 1
+
+
+def test_release_refusal_at_start_is_not_retried_and_names_the_release(tmp_path, monkeypatch):
+    import canaries.runtime
+
+    _RefusingRuntime.starts = []
+    monkeypatch.setattr(canaries.runtime, "get_runtime", lambda name, **options: _RefusingRuntime(**options))
+    [record] = run_many([load_scenario(SCENARIOS / "clean-page1-radix.yaml")], tmp_path / "report", progress=False)
+    assert len(_RefusingRuntime.starts) == 1, "a refusal is the release's answer: no harness retry"
+    assert (record.verdict, record.cause) == ("INCONCLUSIVE", None)
+    assert record.reason.startswith("not run here: ReleaseUnsupported: SGLang 0.5.18's")
+    assert "harness_retries" not in record.extra

@@ -77,7 +77,7 @@ def steps_after(latencies: dict[str, int]) -> str:
 def run_told_nothing(f: Facts) -> Decision | None:
     obs, crash, outcome = f.obs, f.crash, f.outcome
     if obs.error:
-        return "INCONCLUSIVE", f"harness error: {obs.error}"
+        return "INCONCLUSIVE", f"{'not run here' if obs.unsupported else 'harness error'}: {obs.error}"
     if obs.timed_out:
         return "INCONCLUSIVE", "the run timed out" + (f": {obs.hang}" if obs.hang else "")
     if f.lost:
