@@ -203,7 +203,11 @@ def _preload() -> None:
     """Import the extra modules the harness named (e.g. SGLang's allocator: seconds to import)."""
     for name in filter(None, os.environ.pop(PRELOAD_ENV, "").split(",")):
         try:
-            if importlib.util.find_spec(name) is None:  # not in this release: nothing to warm
+            try:
+                spec = importlib.util.find_spec(name)
+            except ModuleNotFoundError:  # its package is not in this release either
+                spec = None
+            if spec is None:  # not in this release: nothing to warm
                 continue
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - the engine reports it where it needs the module

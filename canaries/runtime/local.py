@@ -118,9 +118,15 @@ def spec_knob(name: str, spec_path: str | os.PathLike | None, flags: Sequence[st
 # Imported by a warm parent ahead of the fork when the engine will need them (they are slow).
 _SGLANG_ALLOCATOR = ("sglang.srt.mem_cache.allocator.swa",)
 # A release ships one tree or both (swa_radix_cache up to 0.5.20): a module it lacks is skipped.
+# Also what the engine's adapters and SGLang's constructors import on first use (0.5.23's tree
+# core loads a Rust extension when the first cache is built): each engine paid 0.1-0.2 s for them.
+_SGLANG_FIRST_USE = ("engine_stub.mem.sglang_backend", "engine_stub.mem.sglang_tree",
+                     "engine_stub.mem.sglang_req_to_token", "sglang.srt.mem_cache.rust_tree_core.extension",
+                     "sglang.srt.mem_cache.unified_memory_pool", "sglang.srt.mem_cache.allocator.unified_hybrid_swa",
+                     "sglang.srt.mem_cache.deepseek_v4_memory_pool", "sglang.srt.mem_cache.hisparse_memory_pool")
 PRELOAD = {
     "sglang": (*_SGLANG_ALLOCATOR, "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.unified_radix_cache",
-               "sglang.srt.mem_cache.swa_radix_cache"),
+               "sglang.srt.mem_cache.swa_radix_cache", *_SGLANG_FIRST_USE),
     "sglang-allocator": _SGLANG_ALLOCATOR,
 }
 
