@@ -331,3 +331,18 @@ def test_judge_a_clean_server_that_answered_an_error_is_no_oracle_and_the_releas
                        "with HTTP 500 (Out of memory even after retracting)"))
     assert record.verdict == "INCONCLUSIVE" and record.cause is None
     assert record.reason.startswith("no oracle: the release's own clean server answered r0002 with HTTP 500")
+
+
+def test_record_to_dict_is_asdicts_fresh_copy() -> None:
+    import dataclasses
+
+    record = VerdictRecord(
+        scenario="s", verdict="DETECTED", passed=True, reason="r", signature="sig",
+        landed=[{"step": 3, "slots": [1, 2]}], firings=[{"invariant": "x", "slots": (4, 5)}],
+        latency={"x": 2, "y": None}, engine_outcome="ok", ledgers={"full": {"free": 3}}, seed=1,
+        engine={"page_size": 16}, expect={"detect": ["x"]}, extra={"phases_s": {"start": 0.1}, "tags": {"a"}})
+    plain = record.to_dict()
+    assert plain == dataclasses.asdict(record)
+    plain["landed"][0]["slots"].append(9)
+    plain["extra"]["tags"].add("b")
+    assert record.landed[0]["slots"] == [1, 2] and record.extra["tags"] == {"a"}
