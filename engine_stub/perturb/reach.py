@@ -156,6 +156,13 @@ class ReachTracker:
                     self._forget(key)
                     self._emit("perturbation_died", item.index, item.landing, item.number, item.kind, by)
 
+    def read_tagged(self, tags: Iterable[str], by: str) -> None:
+        """A reader of whole structures (a census of the pools, the free lists, the mapping):
+        every tracked location whose tag is in `tags` is read."""
+        wanted = set(tags)
+        if self._tracked:
+            self.read([loc for loc in self._by_location if loc[0] in wanted], by)
+
     def close(self, by: str = "the engine stopped before anything read it") -> None:
         for key in sorted(self._tracked):
             item = self._forget(key)
@@ -298,6 +305,21 @@ class TrackingAllocator:
     def free_full(self, free_index: torch.Tensor) -> None:
         self._before_free_full(free_index, "free_full")
         self._inner.free_full(free_index)
+
+    # SGLang 0.5.23's kv-row segment frees (its window eviction, a request's release): the same
+    # reads and kills as the whole-set frees above.
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self._before_free_swa(free_index, "free_segment (its SWA side)")
+        self._before_free_full(free_index, "free_segment (its full side)")
+        self._inner.free_segment(free_index, start_pos=start_pos)
+
+    def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self._before_free_swa(free_index, "free_swa_segment")
+        self._inner.free_swa_segment(free_index, start_pos=start_pos)
+
+    def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        self._before_free_full(free_index, "free_full_segment")
+        self._inner.free_full_segment(free_index, start_pos=start_pos)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self._allocated(self._inner.alloc(need_size))

@@ -266,22 +266,25 @@ class ServerCensus:
                 raise CensusViolation(f"invariant-check FAILED [{name}]: {msg}")
             self._fire(name, count, msg, slots, level, step)
 
-    def after_batch(self) -> None:
+    def after_batch(self) -> bool:
         """In STRICT mode, after a batch's result moved slots between owners: the census,
-        count-only (the detector of the damage's own site, or the idle check, decides first)."""
+        count-only (the detector of the damage's own site, or the idle check, decides first).
+        Whether it ran."""
         if not self.strict_steps:
-            return
+            return False
         started = time.perf_counter()
         self._batches += 1
         holders, sizes = self.memory.ownership()
         before = self._last_ownership
         self._last_ownership = (holders, sizes)
-        if before is not None and (before[0] - holders or before[1] != sizes):
+        ran = before is not None and bool(before[0] - holders or before[1] != sizes)
+        if ran:
             self._batch_runs += 1
             step = self._step()
             for name, count, msg, slots in _failures(self._census.check()):
                 self._fire(name, count, msg, slots, "WARN", step)
         self._batch_seconds += time.perf_counter() - started
+        return ran
 
     def _fire(self, name: str, count: int, msg: str, slots: list[int], level: str, step: int) -> None:
         total = self._totals[name] = self._totals.get(name, 0) + count

@@ -169,6 +169,12 @@ class LockstepGate:
                 return rid
         return None
 
+    def workload_over(self) -> bool:
+        """Whether every request of the plan is gone (answered, aborted, refused, skipped): the
+        driver sends nothing more to this server."""
+        self.read_notes()
+        return bool(self.order) and all(self._gone(rid) for rid in self.order)
+
     def ready(self) -> bool:
         """Whether the scheduler may run its next pass: every request the driver keeps in flight
         has arrived (or is held), and no hang-up is waiting for its client to go."""
@@ -236,6 +242,11 @@ def attach(write_event: Callable[[dict], None], step: Callable[[], int]) -> Lock
         return None
     _gate = LockstepGate(path, write_event, step)
     return _gate
+
+
+def workload_over() -> bool:
+    """Whether this scheduler's gate has seen the whole plan gone (False without a gate)."""
+    return _gate is not None and _gate.workload_over()
 
 
 def hook_receiver(receiver_class: type) -> None:

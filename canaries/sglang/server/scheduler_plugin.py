@@ -26,6 +26,7 @@ import weakref
 from types import ModuleType
 
 from canaries.sglang.server import lockstep, site_hooks
+from canaries.sglang.server import reach as server_reach
 from canaries.sglang.server.import_hooks import after_import
 from canaries.sglang.server.knobs import KNOB_INDEX_ENV, landing_of_line
 from canaries.sglang.server.log_events import events_of_record
@@ -46,6 +47,7 @@ MEMORY_COMMON_MODULE = "sglang.srt.mem_cache.common"
 SWA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.swa"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 SENDER_MODULE = "sglang.srt.managers.scheduler_components.output_sender"
+SWEEP_MODULE = "sglang.srt.kv_canary.runner.sweep"
 _LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
 
 
@@ -162,6 +164,9 @@ def _hook_steps(scheduler_class: type) -> None:
             site_hooks.set_forward(batch)  # the kinds see the KV written so far, not this forward's
             try:
                 perturber.at(BeforeStep(), facade)
+                reach = server_reach.current()
+                if reach is not None:  # the forward and its canary read what the batch covers
+                    reach.batch(batch)
             finally:
                 site_hooks.set_forward(None)
         result = run_batch(self, batch, *args, **kwargs)
@@ -174,8 +179,10 @@ def _hook_steps(scheduler_class: type) -> None:
         if armed is not None and batch is not None:
             armed[1].finished_requests += sum(1 for r in batch.reqs if r.finished())
         census = getattr(self, "_canary_census", None)
-        if census is not None:
-            census.after_batch()
+        if census is not None and census.after_batch():
+            reach = server_reach.current()
+            if reach is not None:
+                reach.census_pass("the census (after a batch)")
         return out
 
     scheduler_class.run_batch = run_batch_perturbed
@@ -185,15 +192,38 @@ def _hook_steps(scheduler_class: type) -> None:
 
         def on_idle_counted(self, *args, **kwargs):
             fully_idle = self.is_fully_idle()
+            reach = server_reach.current() if fully_idle else None
+            if reach is not None:  # what SGLang's idle checks and the census are about to read
+                reach.idle()
             out = on_idle(self, *args, **kwargs)
             if fully_idle:  # its leak and tree checks ran (managers/scheduler.py `on_idle`)
                 census = getattr(self, "_canary_census", None)
                 if census is not None:
                     census.at_idle()  # then the suite's own (strict: may stop the scheduler)
+                if reach is not None:  # before the pass is counted: the harness stops at it
+                    reach.close_if_over(lockstep.workload_over)
                 _note_idle_pass()
             return out
 
         scheduler_class.on_idle = on_idle_counted
+
+
+def _hook_sweep(orchestrator_class: type) -> None:
+    """The KV canary's radix sweep: a pass that ran read every slot the tree holds."""
+    maybe_run_sweep = orchestrator_class.maybe_run_sweep
+    if hasattr(maybe_run_sweep, "__wrapped__"):
+        return
+
+    def maybe_run_sweep_seen(self, *args, **kwargs):
+        before = getattr(self, "sweep_passes", 0)
+        out = maybe_run_sweep(self, *args, **kwargs)
+        reach = server_reach.current()
+        if reach is not None and getattr(self, "sweep_passes", 0) != before:
+            reach.swept()
+        return out
+
+    maybe_run_sweep_seen.__wrapped__ = maybe_run_sweep
+    orchestrator_class.maybe_run_sweep = maybe_run_sweep_seen
 
 
 _idle_passes = 0
@@ -261,6 +291,13 @@ def _arm(scheduler: object, spec_path: str, write) -> None:
     perturber._view = SGLangView(scheduler, window, page_size)  # the kinds' view: SGLang's objects
     scheduler._canary_perturber = (perturber, facade)
     site_hooks.arm(perturber, facade)
+    if json.loads(os.environ.get(KNOB_INDEX_ENV) or "{}"):
+        # SGLang's knobs land inside its forward, where no read is reported around them: their
+        # damage is not followed, so no damage of the run is called unread (it stays MISSED).
+        return
+    server_reach.arm(scheduler, perturber, facade.events.write, window=window,
+                     canary=knobs.get("kv_canary", "log") != "off",
+                     census=getattr(scheduler, "_canary_census", None) is not None)
 
 
 def install(always: bool = False) -> None:
@@ -272,3 +309,4 @@ def install(always: bool = False) -> None:
         after_import(RECEIVER_MODULE, lambda module: lockstep.hook_receiver(module.SchedulerRequestReceiver))
         after_import(SENDER_MODULE, lambda module: lockstep.hook_sender(module.SenderWrapper))
         after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))
+        after_import(SWEEP_MODULE, lambda module: _hook_sweep(module.SweepOrchestrator))

@@ -32,8 +32,8 @@ from engine_stub.perturb.sites import (
     WindowEviction,
 )
 
-__all__ = ["arm", "armed", "chunk_boundary", "relay_sampled", "release_kv_cache", "req_state", "set_forward",
-           "stash_chunked_request", "window_eviction"]
+__all__ = ["arm", "armed", "chunk_boundary", "reading", "relay_sampled", "release_kv_cache", "req_state",
+           "set_forward", "stash_chunked_request", "window_eviction"]
 
 _armed: tuple[Any, Any] | None = None  # (Perturber, SchedulerFacade) of this scheduler process
 _stashing: list[Any] = []  # the request Scheduler.stash_chunked_request is caching (a chunk boundary)
@@ -50,6 +50,17 @@ def armed(site: Site) -> tuple[Any, Any] | None:
     if _armed is None or site not in _armed[0].sites:
         return None
     return _armed
+
+
+def reading() -> Any | None:
+    """The armed perturber's reachability tracker while some damage is still open (else None):
+    the readers SGLang runs here report to it (canaries/sglang/server/reach.py)."""
+    tracker = getattr(_armed[0], "reach", None) if _armed is not None else None
+    return tracker if tracker is not None and tracker.open else None
+
+
+def _read_row(tracker: Any, req: Any, lo: int, hi: int, by: str) -> None:
+    tracker.table_read(int(req.kv.req_pool_idx), str(req.rid), lo, hi, by)
 
 
 # Per request of the batch about to run (by id), the tokens its forward writes. SGLang allocates
@@ -91,11 +102,13 @@ def window_eviction(original: Callable[..., None]) -> Callable[..., None]:
     component_default = (original.__kwdefaults__ or {}).get("component_type")
 
     def free_swa_out_of_window_slots(req: Any, pre_len: int, **kwargs: Any) -> None:
-        hooked = armed(Site.ON_WINDOW_EVICTION)
         component = kwargs.get("component_type", component_default)
-        if hooked is None or getattr(component, "name", "SWA") != "SWA":
+        hooked = armed(Site.ON_WINDOW_EVICTION) if getattr(component, "name", "SWA") == "SWA" else None
+        tracker = reading()
+        if hooked is None and tracker is None:
             return original(req, pre_len, **kwargs)
-        perturber, facade = hooked
+        if tracker is not None:  # SGLang reads the frontier whether or not it frees
+            tracker.read([("frontier", str(req.rid))], "window eviction")
         segment = kwargs.get("free_segment") or kwargs["token_to_kv_pool_allocator"].free_swa_segment
         frontiers: list[int] = []
 
@@ -103,6 +116,12 @@ def window_eviction(original: Callable[..., None]) -> Callable[..., None]:
             import torch
 
             slots = slots.to(torch.int64)
+            if tracker is not None:  # SGLang read the evicted span of the row, from the frontier
+                _read_row(tracker, req, start_pos, start_pos + int(slots.numel()), "window eviction")
+            if hooked is None:
+                segment(slots, start_pos=start_pos)
+                return
+            perturber, facade = hooked
             hook = WindowEviction(req_state(req), slots, start_pos, start_pos + int(slots.numel()))
             effect = perturber.at(hook, facade)
             if effect.free is not None and effect.free.numel():
@@ -125,6 +144,11 @@ def release_kv_cache(original: Callable[..., None]) -> Callable[..., None]:
     once more after it, in the same free group."""
 
     def release(req: Any, tree_cache: Any, *, checkpoint: bool) -> None:
+        tracker = reading()
+        if tracker is not None and req.kv.holds_kv:  # any release: finish, abort, retraction
+            _read_row(tracker, req, 0, int(req.kv.kv_allocated_len), "the release of a request")
+            if req.finished():
+                tracker.finished(str(req.rid))
         hooked = armed(Site.ON_REQUEST_FINISH)
         if hooked is None or not req.finished() or not req.kv.holds_kv:
             return original(req, tree_cache, checkpoint=checkpoint)
@@ -177,6 +201,9 @@ def stash_chunked_request(original: Callable[..., None]) -> Callable[..., None]:
     caches its processed part (`checkpoint_kv_cache` -> `cache_unfinished_req`)."""
 
     def stash(self: Any, req: Any) -> None:
+        tracker = reading()
+        if tracker is not None and req.kv.holds_kv:  # the insert keys the processed part's row
+            _read_row(tracker, req, 0, int(req.kv.kv_allocated_len), "the cache of a chunked request's processed part")
         _stashing.append(req)
         try:
             return original(self, req)
