@@ -149,7 +149,7 @@ def test_radix_sweep_reads_the_tree_slots_only_when_a_pass_ran(monkeypatch) -> N
         def maybe_run_sweep(self) -> None:
             self.sweep_passes += int(self.due)
 
-    scheduler_plugin._hook_sweep(Orchestrator)
+    scheduler_plugin._hook_sweep(SimpleNamespace(SweepOrchestrator=Orchestrator))
     orchestrator = Orchestrator()
     orchestrator.maybe_run_sweep()
     assert events == []
@@ -236,6 +236,9 @@ def test_site_hooks_report_eviction_release_and_a_chunks_insert_with_no_kind_at_
     assert _fate(events)[1] == ("consumed", "window eviction")
     site_hooks.stash_chunked_request(lambda self, r: None)(None, _req(committed=11))
     assert _fate(events)[5] == ("consumed", "the cache of a chunked request's processed part")
+    reach.tracker.track(0, 6, [Damage("req_to_token", row=ROW, position=9)])
+    site_hooks.checkpoint_into_tree(lambda self, r, *, up_to: None)(None, _req(committed=11), up_to=10)
+    assert _fate(events)[6] == ("consumed", "the tree's insert of a request (checkpoint)")
     site_hooks.release_kv_cache(lambda r, t, *, checkpoint: None)(req, None, checkpoint=True)
     fate = _fate(events)
     assert fate[3] == ("consumed", "the release of a request")

@@ -48,6 +48,7 @@ SWA_COMPONENT_MODULE = "sglang.srt.mem_cache.unified_cache.components.swa"
 RECEIVER_MODULE = "sglang.srt.managers.scheduler_components.request_receiver"
 SENDER_MODULE = "sglang.srt.managers.scheduler_components.output_sender"
 SWEEP_MODULE = "sglang.srt.kv_canary.runner.sweep"
+TREE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
 _LEVELS = {"0": "OFF", "1": "WARN", "2": "STRICT"}
 
 
@@ -208,10 +209,19 @@ def _hook_steps(scheduler_class: type) -> None:
         scheduler_class.on_idle = on_idle_counted
 
 
-def _hook_sweep(orchestrator_class: type) -> None:
+def _hook_tree(module: ModuleType) -> None:
+    """The unified radix cache's insert of a request's row (a reader, for reachability)."""
+    tree_class = getattr(module, "UnifiedRadixCache", None)
+    function = getattr(tree_class, "checkpoint_into_tree", None)
+    if function is not None and not hasattr(function, "__wrapped__"):
+        tree_class.checkpoint_into_tree = site_hooks.checkpoint_into_tree(function)
+
+
+def _hook_sweep(module: ModuleType) -> None:
     """The KV canary's radix sweep: a pass that ran read every slot the tree holds."""
-    maybe_run_sweep = orchestrator_class.maybe_run_sweep
-    if hasattr(maybe_run_sweep, "__wrapped__"):
+    orchestrator_class = getattr(module, "SweepOrchestrator", None)
+    maybe_run_sweep = getattr(orchestrator_class, "maybe_run_sweep", None)
+    if maybe_run_sweep is None or hasattr(maybe_run_sweep, "__wrapped__"):
         return
 
     def maybe_run_sweep_seen(self, *args, **kwargs):
@@ -309,4 +319,5 @@ def install(always: bool = False) -> None:
         after_import(RECEIVER_MODULE, lambda module: lockstep.hook_receiver(module.SchedulerRequestReceiver))
         after_import(SENDER_MODULE, lambda module: lockstep.hook_sender(module.SenderWrapper))
         after_import(SCHEDULER_MODULE, lambda module: _watch(module.Scheduler))
-        after_import(SWEEP_MODULE, lambda module: _hook_sweep(module.SweepOrchestrator))
+        after_import(SWEEP_MODULE, _hook_sweep)
+        after_import(TREE_MODULE, _hook_tree)

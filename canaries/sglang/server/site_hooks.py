@@ -32,7 +32,7 @@ from engine_stub.perturb.sites import (
     WindowEviction,
 )
 
-__all__ = ["arm", "armed", "chunk_boundary", "reading", "relay_sampled", "release_kv_cache", "req_state",
+__all__ = ["arm", "armed", "checkpoint_into_tree", "chunk_boundary", "reading", "relay_sampled", "release_kv_cache", "req_state",
            "set_forward", "stash_chunked_request", "window_eviction"]
 
 _armed: tuple[Any, Any] | None = None  # (Perturber, SchedulerFacade) of this scheduler process
@@ -212,6 +212,20 @@ def stash_chunked_request(original: Callable[..., None]) -> Callable[..., None]:
 
     stash.__wrapped__ = original
     return stash
+
+
+def checkpoint_into_tree(original: Callable[..., None]) -> Callable[..., None]:
+    """`UnifiedRadixCache.checkpoint_into_tree` (after every prefill, at each chunk boundary and
+    at a finish): a reader only, for reachability: the insert keys the row below `up_to`."""
+
+    def checkpoint(self: Any, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        tracker = reading()
+        if tracker is not None and req.kv.holds_kv:
+            _read_row(tracker, req, 0, int(up_to), "the tree's insert of a request (checkpoint)")
+        return original(self, req, up_to=up_to, **kwargs)
+
+    checkpoint.__wrapped__ = original
+    return checkpoint
 
 
 def chunk_boundary(original: Callable[..., None]) -> Callable[..., None]:
