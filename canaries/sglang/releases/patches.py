@@ -114,6 +114,17 @@ _CATALOGUE = (
                "the node stays locked for good (an insert that adds no page: a short answer on page 16)",
     ),
     SGLangPatch(
+        name="chunk-checkpoint-keeps-lock",
+        file="srt/mem_cache/unified_radix_cache.py",
+        old="        self.unlock(req.lock)\n        # Opt-in: leave the matched-prefix mamba evictable",
+        new="        if up_to >= len(req.origin_input_ids):\n"
+            "            self.unlock(req.lock)\n"
+            "        # Opt-in: leave the matched-prefix mamba evictable",
+        models="checkpoint_into_tree moves the request's lock only once its prompt is whole: at a chunk "
+               "boundary of a chunked prefill it locks the chunk's node and keeps the lock it had, so the "
+               "admission's lock and every chunk's but the last outlive the request",
+    ),
+    SGLangPatch(
         name="admission-pin-kept",
         file="srt/managers/schedule_policy.py",
         old="            finally:\n                self.tree_cache.unlock(lock)\n",
