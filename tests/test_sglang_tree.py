@@ -323,3 +323,18 @@ def test_radix_scenarios_on_sglangs_tree_pass_end_to_end(version: str, tmp_path:
     start = next(line for line in (report / E2E[0] / "events.jsonl").read_text().splitlines()
                  if '"engine_start"' in line)
     assert '"memory": "sglang"' in start
+
+
+def test_leaf_paths_read_a_stored_minus_one_slot_as_a_slot_not_as_the_root() -> None:
+    """The walk's previous slot is -1 for a row that starts at the root and for a row after a
+    stored -1 (a corrupted row inserted into the tree): positions tell them apart, so the slots
+    past a stored -1 stay on their path (the census reads them)."""
+    from engine_stub.mem.sglang_tree import _leaf_paths
+
+    # root -> 5, 6, -1, 8 (one node); a branch 9 after 6; a second root child 20, 21.
+    slots = [5, 6, -1, 8, 9, 20, 21]
+    prev = [-1, 5, 6, -1, 6, -1, 20]
+    positions = [0, 1, 2, 3, 2, 0, 1]
+    assert _leaf_paths(slots, prev, positions) == [[5, 6, -1, 8], [5, 6, 9], [20, 21]]
+    # An evicted node spans its key with no slots: the child's position jumps past it.
+    assert _leaf_paths([5, 6, 7], [-1, 5, 6], [0, 1, 4]) == [[5, 6, 7]]

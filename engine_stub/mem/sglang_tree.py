@@ -205,6 +205,7 @@ class _Walk:
 
     slots: list[int]
     prev: list[int]
+    positions: list[int]
     live: set[int] = field(default_factory=set)
 
 
@@ -277,7 +278,7 @@ class SGLangTreeReader:
         walk = self.walk(live=True)
         return [CachedPath(slots=self._ints(path), token_ids=[],
                            swa_live=torch.tensor([s in walk.live for s in path], dtype=torch.bool))
-                for path in _leaf_paths(walk.slots, walk.prev)]
+                for path in _leaf_paths(walk.slots, walk.prev, walk.positions)]
 
     def sanity_problems(self) -> list[str]:
         """Problems found (empty when sane), at idle: SGLang's own `sanity_check` (it asserts,
@@ -311,7 +312,7 @@ class SGLangTreeReader:
         """The walk's rows; with `live`, which of their slots are SWA-live."""
         core = self.impl.tree_core
         rows = core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=False)
-        walk = _Walk(rows.slot_indices.tolist(), rows.prev_slot_indices.tolist())
+        walk = _Walk(rows.slot_indices.tolist(), rows.prev_slot_indices.tolist(), rows.positions.tolist())
         if live:
             walk.live = set(core.walk_for_kv_canary(unlocked_only=False, swa_resident_only=True).slot_indices.tolist())
         return walk
@@ -639,23 +640,37 @@ class SGLangRadixCache:
                              f"slots={n_slots}, prev_prefix_len={prev_prefix_len}, swa_evicted={evicted}")
 
 
-def _leaf_paths(slots: list[int], prev: list[int]) -> list[list[int]]:
-    """Root-to-leaf slot paths from the walk's (slot, previous slot) rows, in row order.
+def _leaf_paths(slots: list[int], prev: list[int], positions: list[int]) -> list[list[int]]:
+    """Root-to-leaf slot paths from the walk's (slot, previous slot, position) rows, in row order.
 
-    A row's parent is the row holding its previous slot (-1: it starts at the root); a leaf row
-    is one no row names as its previous slot. A corrupted tree may hold a slot twice: the walk
-    up stops at a repeat rather than loop.
+    A row at position 0 starts at the root (its previous slot reads -1); any other row's parent
+    is the row holding its previous slot at the nearest position below it (an evicted node holds
+    no slots but spans its key, so positions may jump). The previous slot alone cannot tell the
+    root's -1 from a stored slot value -1 (a corrupted row inserted into the tree): read that
+    way, every path through it was cut there and the slots past it never checked. A leaf row is
+    one no row has as its parent. A corrupted tree may hold a slot twice: the walk up stops at a
+    repeat rather than loop.
     """
-    row_of = {s: i for i, s in enumerate(slots)}
-    named = set(prev)
-    paths = []
+    rows_of: dict[int, list[int]] = {}
     for i, slot in enumerate(slots):
-        if slot in named:
+        rows_of.setdefault(slot, []).append(i)
+
+    def parent(i: int) -> int | None:
+        if positions[i] == 0:
+            return None
+        below = [j for j in rows_of.get(prev[i], ()) if positions[j] < positions[i]]
+        return max(below, key=lambda j: positions[j]) if below else None
+
+    parents = [parent(i) for i in range(len(slots))]
+    has_child = {j for j in parents if j is not None}
+    paths = []
+    for i in range(len(slots)):
+        if i in has_child:
             continue
         path, seen, j = [], set(), i
         while j is not None and j not in seen:
             seen.add(j)
             path.append(slots[j])
-            j = row_of.get(prev[j]) if prev[j] >= 0 else None
+            j = parents[j]
         paths.append(path[::-1])
     return paths

@@ -241,6 +241,11 @@ class ReachTracker:
                       "the idle check")
 
 
+# SGLang 0.5.23's kv-row segment frees (its window eviction, a request's release, the tree's) and
+# the sides each frees: wrapped only where the allocator has them (SGLang's tree asks `hasattr`).
+_SEGMENT_FREES = {"free_segment": ("swa", "full"), "free_swa_segment": ("swa",), "free_full_segment": ("full",)}
+
+
 class TrackingAllocator:
     """The scheduler's allocator, reporting to a `ReachTracker` what each call reads, frees and
     re-pairs; everything else is the allocator's own (attributes included)."""
@@ -250,7 +255,19 @@ class TrackingAllocator:
         object.__setattr__(self, "_tracker", tracker)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)  # an allocator without it: AttributeError, as unwrapped
+        sides = _SEGMENT_FREES.get(name)
+        if sides is None:
+            return value
+
+        def segment_free(free_index: torch.Tensor, *, start_pos: int) -> None:
+            if "swa" in sides:
+                self._before_free_swa(free_index, f"{name} (its SWA side)" if len(sides) > 1 else name)
+            if "full" in sides:
+                self._before_free_full(free_index, f"{name} (its full side)" if len(sides) > 1 else name)
+            value(free_index, start_pos=start_pos)
+
+        return segment_free
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)
@@ -305,21 +322,6 @@ class TrackingAllocator:
     def free_full(self, free_index: torch.Tensor) -> None:
         self._before_free_full(free_index, "free_full")
         self._inner.free_full(free_index)
-
-    # SGLang 0.5.23's kv-row segment frees (its window eviction, a request's release): the same
-    # reads and kills as the whole-set frees above.
-    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-        self._before_free_swa(free_index, "free_segment (its SWA side)")
-        self._before_free_full(free_index, "free_segment (its full side)")
-        self._inner.free_segment(free_index, start_pos=start_pos)
-
-    def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-        self._before_free_swa(free_index, "free_swa_segment")
-        self._inner.free_swa_segment(free_index, start_pos=start_pos)
-
-    def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-        self._before_free_full(free_index, "free_full_segment")
-        self._inner.free_full_segment(free_index, start_pos=start_pos)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self._allocated(self._inner.alloc(need_size))
