@@ -2,7 +2,7 @@
 matrix against one library run, SGLang's server against our engine, and the server matrix against
 one server run.
 
-    python scripts/bench_matrix.py [--releases 0.5.18,0.5.19,0.5.20,0.5.23]
+    python scripts/bench_matrix.py [--releases 0.5.21,0.5.22,0.5.23]
         [--server-columns 0.5.22,0.5.23,0.5.23+release-leaks-last-slot] [--jobs 2] [--columns 3]
         [--every N] [--skip memory|server] [--rerun-native]
 
@@ -14,7 +14,9 @@ In this order, each into a fresh report directory, with the machine's load avera
    <= 0.15); this run also stores the native results the matrices below reuse
    (canaries/native_cache.py), as any library run does;
 3. `canary matrix --sglang RELEASES -j JOBS --columns N --no-build` (the memory path): the ratio
-   to step 2 (target <= 3.0x for native plus three or four releases);
+   to step 2 (target <= 3.0x for native plus three releases, issue 33; the default is the three
+   newest, the heaviest: 0.5.22 and 0.5.23 run every scenario, 0.5.21 all but those with a page
+   size above 1, which need CUDA there; 0.5.18-0.5.20 refuse them too);
 4. `canary run --runtime sglang-server -j JOBS`: the ratio to step 2 a scenario (target <= 3.0x);
 5. `canary matrix --runtime sglang-server --sglang SERVER_COLUMNS -j JOBS --columns N --no-build`:
    the ratio to step 4 (target <= 3.0x for three server columns).
@@ -74,7 +76,7 @@ def _torch_unit(runs: int = 3) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--releases", default="0.5.18,0.5.19,0.5.20,0.5.23")
+    parser.add_argument("--releases", default="0.5.21,0.5.22,0.5.23")
     parser.add_argument("--server-columns", default="0.5.22,0.5.23,0.5.23+release-leaks-last-slot")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--columns", type=int, default=3, help="matrix columns side by side")
