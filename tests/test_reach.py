@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from engine_stub.perturb.contract import Damage
@@ -91,3 +92,61 @@ def test_every_library_landing_reaches_a_reader(tmp_path) -> None:
         kinds = [json.loads(line)["kind"] for line in events_path.read_text().splitlines()]
         if "perturbation_landed" in kinds:
             assert "perturbation_consumed" in kinds, f"{events_path.parent.name}: nothing consumed"
+
+
+def _walked_reads(tracker: ReachTracker, phase: str, row: int, rid: str, lo_new: int, seq: int,
+                  table: torch.Tensor, mapping: torch.Tensor) -> list[tuple]:
+    """Every location a batch's reader meets, walking its row position by position (the
+    definition `ReachTracker.batch` must agree with)."""
+    window = tracker.window
+    upto = lo_new if phase == "head" else seq
+    if phase == "forward":
+        full_lo, swa_lo = 0, max(0, lo_new - window + 1)
+    else:
+        full_lo, swa_lo = 0, max(0, upto - window)
+    reads = [("table", row, p) for p in range(min(full_lo, swa_lo), upto)]
+    if phase == "forward":
+        reads.append(("token", rid, lo_new))
+    full_slots = table[row, full_lo:upto].tolist()
+    swa_slots = table[row, swa_lo:upto].tolist()
+    if phase != "head":
+        reads += [("kv", "full", s) for s in full_slots]
+        reads += [("kv", "swa", int(mapping[s])) for s in swa_slots]
+    reads += [loc for s in swa_slots for loc in (("mapping", s), ("swa_read", s))]
+    return reads
+
+
+def test_batch_reads_exactly_what_a_walk_of_its_rows_reads_in_the_same_order() -> None:
+    import random
+
+    rng = random.Random(7)
+    for case in range(200):
+        table = torch.tensor([rng.sample(range(1, 300), 64) for _ in range(3)], dtype=torch.int32)
+        table[1, rng.randrange(64)] = table[1, rng.randrange(64)]  # a slot named twice
+        mapping = torch.tensor([0] + rng.sample(range(1, 1000), 299), dtype=torch.int64)
+        seq = rng.randrange(2, 64)
+        lo_new = seq - rng.choice([1, 1, rng.randrange(1, seq + 1)])
+        phase = rng.choice(["head", "forward", "tail"])
+        damage = []
+        for _ in range(rng.choice([1, 3, 12])):
+            pick = rng.randrange(5)
+            if pick == 0:
+                damage.append(Damage("req_to_token", row=1, position=rng.randrange(64)))
+            elif pick == 1:
+                damage.append(Damage("kv_bytes", pool="full", pool_row=int(table[1, rng.randrange(64)])))
+            elif pick == 2:
+                damage.append(Damage("kv_bytes", pool="swa", pool_row=int(mapping[int(table[1, rng.randrange(64)])])))
+            elif pick == 3:
+                damage.append(Damage("mapping", slot=int(table[1, rng.randrange(64)])))
+            else:
+                damage.append(Damage("sampled_token", request="r1", position=rng.randrange(64)))
+        tracker, events = _tracker()
+        tracker.configure(window=rng.choice([4, 16]), page_size=1, layer_pattern="SF", canary=True)
+        reference, ref_events = _tracker()
+        reference.configure(window=tracker.window, page_size=1, layer_pattern="SF", canary=True)
+        for i, d in enumerate(damage):
+            tracker.track(0, i, [d])
+            reference.track(0, i, [d])
+        tracker.batch(phase, [1], [lo_new], [seq], table, mapping, ["r1"])
+        reference.read(_walked_reads(reference, phase, 1, "r1", lo_new, seq, table, mapping), "walk")
+        assert [f["landing"] for _, f in events] == [f["landing"] for _, f in ref_events], case

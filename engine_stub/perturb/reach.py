@@ -81,6 +81,25 @@ def _ints(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
+def _first_index(wanted: list[int], values: list[int]) -> dict[int, int]:
+    """{each wanted value found in `values`: the index of its first occurrence}."""
+    if not wanted:
+        return {}
+    want = set(wanted)
+    first: dict[int, int] = {}
+    if len(want) <= 8:  # a few: list.index scans in C
+        for v in want:
+            try:
+                first[v] = values.index(v)
+            except ValueError:
+                pass
+        return first
+    for i, v in enumerate(values):
+        if v in want and v not in first:
+            first[v] = i
+    return first
+
+
 class ReachTracker:
     """Follows the damage of one engine's landings.
 
@@ -188,6 +207,12 @@ class ReachTracker:
         if phase in ("head", "tail") and not canary:
             return
         by = {"head": "the KV canary (HEAD)", "forward": "a forward", "tail": "the KV canary (TAIL)"}[phase]
+        # What the batch reads is every position of its rows; what is tracked is a few locations:
+        # each tracked location is looked up in the rows' slots (a step with damage open costs
+        # about what one without does), and read in the order a walk of the rows would meet it.
+        tracked: dict[str, list[Location]] = {}
+        for loc in self._by_location:
+            tracked.setdefault(loc[0], []).append(loc)
         for row, rid, lo_new, seq in zip(rows, rids, prefix_lens, seq_lens, strict=True):
             upto = lo_new if phase == "head" else seq
             # Full group: every position below `upto`; SWA group: the window the reader covers.
@@ -196,16 +221,23 @@ class ReachTracker:
                 swa_lo = max(0, lo_new - window + 1) if self.has_swa_layers else upto
             else:
                 full_lo, swa_lo = 0, max(0, upto - window)
-            reads: list[Location] = [("table", row, p) for p in range(min(full_lo, swa_lo), upto)]
+            lo = min(full_lo, swa_lo)
+            reads: list[Location] = sorted((loc for loc in tracked.get("table", ()) if loc[1] == row
+                                            and lo <= loc[2] < upto), key=lambda loc: loc[2])
             if phase == "forward":
                 reads.append(("token", rid, lo_new))
-            full_slots = _ints(table[row, full_lo:upto]) if full_lo < upto else []
-            swa_slots = _ints(table[row, swa_lo:upto]) if swa_lo < upto else []
-            if phase != "head":  # HEAD checks chains and positions, not the KV bytes
-                reads += self._rows_in("full", full_slots)
-                if swa_slots:
-                    reads += self._rows_in("swa", _ints(mapping[torch.tensor(swa_slots, dtype=torch.int64)]))
-            reads += [loc for s in swa_slots for loc in (("mapping", s), ("swa_read", s))]
+            kv = tracked.get("kv", ()) if phase != "head" else ()  # HEAD checks chains, not KV bytes
+            peers = tracked.get("mapping", []) + tracked.get("swa_read", [])
+            swa_slots = _ints(table[row, swa_lo:upto]) if swa_lo < upto and (kv or peers) else []
+            if kv:
+                full_slots = _ints(table[row, full_lo:upto]) if full_lo < upto else []
+                swa_rows = (_ints(mapping[torch.tensor(swa_slots, dtype=torch.int64)]) if swa_slots else [])
+                for pool, slots in (("full", full_slots), ("swa", swa_rows)):
+                    first = _first_index([loc[2] for loc in kv if loc[1] == pool], slots)
+                    reads += [("kv", pool, r) for r in sorted(first, key=first.__getitem__)]
+            if peers:
+                first = _first_index([loc[1] for loc in peers], swa_slots)
+                reads += [loc for s in sorted(first, key=first.__getitem__) for loc in (("mapping", s), ("swa_read", s))]
             self.read(reads, by)
 
     def sweep(self, paths: Sequence[Any], mapping: torch.Tensor) -> None:
