@@ -125,6 +125,17 @@ _CATALOGUE = (
                "admission's lock and every chunk's but the last outlive the request",
     ),
     SGLangPatch(
+        name="abort-unlock-skips-swa",
+        file="srt/mem_cache/common.py",
+        old="    tree_cache.unlock(req.lock)\n    req.lock = None\n",
+        new=("    if req.lock is not None and type(req.finished_reason).__name__ == \"FINISH_ABORT\":\n"
+             "        req.lock.swa_released = True\n"
+             "    tree_cache.unlock(req.lock)\n    req.lock = None\n"),
+        models="release_kv_cache of an aborted request (a client hang-up) treats its lock's SWA part as "
+               "released early and drops only the full part: the SWA lock on the prompt's last window "
+               "outlives the request",
+    ),
+    SGLangPatch(
         name="admission-pin-kept",
         file="srt/managers/schedule_policy.py",
         old="            finally:\n                self.tree_cache.unlock(lock)\n",
