@@ -72,13 +72,13 @@ def _gate(report: Path, scenario: Path, candidate: str, census: str) -> tuple[in
     ("0.5.23+relock-same-node-leaks", "clean-radix-two-node-match-page16"),
     ("0.5.23+unlock-only-when-checkpointed", "clean-server-retraction-radix"),
     ("0.5.23+admission-pin-kept", "clean-cache-hits"),
-    ("0.5.23+abort-unlock-skips-swa", "clean-chunked-lock-one-window"),
+    ("0.5.23+abort-release-drops-only-swa", "clean-chunked-lock-one-window"),
 ])
 def test_census_fails_the_gate_on_a_lock_leak_sglangs_own_checks_pass(tmp_path: Path, candidate: str,
                                                                      scenario_name: str) -> None:
     """Four lock-lifetime regressions of the catalogue (canaries/sglang/releases/patches.py): an
     insert that adds no page relocks its node, a retracted request keeps its lock, the prefill
-    adder's pin of a matched prefix is never taken out, an aborted request keeps its lock's SWA part. Each leaves a lock no request holds; no
+    adder's pin of a matched prefix is never taken out, an aborted request's release drops only its lock's SWA part. Each leaves a lock no request holds; no
     answer changes and SGLang's idle ledger balances (the node is protected instead of
     evictable): with SGLang's checks alone the gate passes; with the census it fails, naming the
     control and census.lock_count."""

@@ -136,6 +136,18 @@ _CATALOGUE = (
                "outlives the request",
     ),
     SGLangPatch(
+        name="abort-release-drops-only-swa",
+        file="srt/mem_cache/common.py",
+        old="    tree_cache.unlock(req.lock)\n    req.lock = None\n",
+        new=("    if req.lock is not None and type(req.finished_reason).__name__ == \"FINISH_ABORT\":\n"
+             "        tree_cache.release_swa(req.lock)\n"
+             "    else:\n"
+             "        tree_cache.unlock(req.lock)\n    req.lock = None\n"),
+        models="release_kv_cache of an aborted request (a client hang-up) releases its lock the way the "
+               "decode's early SWA release does, the SWA part only: the full part of the lock on the "
+               "prompt outlives the request",
+    ),
+    SGLangPatch(
         name="admission-pin-kept",
         file="srt/managers/schedule_policy.py",
         old="            finally:\n                self.tree_cache.unlock(lock)\n",
