@@ -50,6 +50,26 @@ def test_damage_dies_once_every_location_is_killed_before_a_read() -> None:
     assert events[0][0] == "perturbation_died" and "engine stopped" in events[0][1]["by"]
 
 
+def test_damage_resolved_together_is_one_event_a_kind_with_its_count() -> None:
+    tracker, events = _tracker()
+    kept = [Damage("free_list", pool="swa", slot=s, detail="kept") for s in (16, 17, 18)]
+    tracker.track(0, 1, [Damage("frontier", request="r0"), *kept])
+    tracker.track(0, 2, [Damage("free_list", pool="swa", slot=19, detail="kept")])
+    tracker.read([("count", "swa"), ("frontier", "r0")], "the census")
+    assert events == [
+        ("perturbation_consumed", {"index": 0, "landing": 1, "damage": 1, "damage_kind": "free_list",
+                                   "by": "the census", "count": 3}),
+        ("perturbation_consumed", {"index": 0, "landing": 2, "damage": 0, "damage_kind": "free_list",
+                                   "by": "the census"}),
+        ("perturbation_consumed", {"index": 0, "landing": 1, "damage": 0, "damage_kind": "frontier",
+                                   "by": "the census"})]
+    assert not tracker.open
+    tracker.track(1, 1, [Damage("kv_bytes", pool="full", slot=s, pool_row=s) for s in (3, 4)])
+    tracker.close()
+    assert events[-1] == ("perturbation_died", {"index": 1, "landing": 1, "damage": 0, "damage_kind": "kv_bytes",
+                                                "by": "the engine stopped before anything read it", "count": 2})
+
+
 def test_a_switch_is_consumed_at_its_landing() -> None:
     tracker, events = _tracker()
     tracker.track(0, 1, [Damage("switch", before=False, after=True, detail="revert")])

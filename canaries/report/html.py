@@ -323,7 +323,10 @@ def _landing_html(ld: dict, lifecycle: list[dict], glossary: bool = True) -> str
                 f'<a href="#kind-{_a(kind)}">perturbation kinds</a></p>'
                 if glossary and kind in _kind_docs() else "")
     # One line per (step, outcome, reader): a pool running dry reads a landing's every piece at once.
-    grouped = list(Counter((ev.get("step"), ev.get("kind"), ev.get("by")) for ev in lifecycle).items())
+    grouped = Counter()
+    for ev in lifecycle:
+        grouped[(ev.get("step"), ev.get("kind"), ev.get("by"))] += int(ev.get("count") or 1)
+    grouped = list(grouped.items())
     life = "".join(
         f'<li class="life life-{_e(kind_)}">step {_e(step)}: '
         + ("read" if kind_ == "perturbation_consumed" else "died unread")

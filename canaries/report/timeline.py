@@ -144,8 +144,9 @@ def build_timeline(events: list[dict]) -> Timeline:
             short = "consumed" if kind == "perturbation_consumed" else "died"
             by = f" by {e['by']}" if e.get("by") else ""
             what = "read" if short == "consumed" else "died unread"
+            count = f" (x{e['count']})" if e.get("count") else ""
             damage_by_step[short].setdefault(step, []).append(
-                f"perturbations[{e.get('index')}]'s damage {what}{by}")
+                f"perturbations[{e.get('index')}]'s damage {what}{by}{count}")
         elif kind == "crash":
             tl.markers.append(Marker("crash", step, (
                 f"step {step}: engine crashed ({e.get('cause')}): {e.get('error', '')}")[:300]))

@@ -236,7 +236,8 @@ def unreached(f: Facts, verdict: str, reason: str) -> Decision:
     if verdict != "MISSED" or f.consumed or not f.died:
         return verdict, reason
     how = sorted({str(e.get("by")) for e in f.died})
-    return "NOT_REACHED", (f"every damage died unread ({len(f.died)} location(s): {'; '.join(how)}), "
+    died = sum(int(e.get("count") or 1) for e in f.died)
+    return "NOT_REACHED", (f"every damage died unread ({died} location(s): {'; '.join(how)}), "
                            f"so no detector could have seen it; was: {reason}")
 
 

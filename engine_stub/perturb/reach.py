@@ -4,7 +4,8 @@ Each `Damage` of a landing becomes one or more *locations* (a req_to_token entry
 a KV row of a pool, a pool's accounting, a free-list entry, a request's frontier or its next
 input token). The scheduler reports what it reads and what it overwrites or frees; the first read
 of a location consumes its damage (`perturbation_consumed`: step and by what), and a damage all of
-whose locations were killed first died unread (`perturbation_died`). What nothing read by the
+whose locations were killed first died unread (`perturbation_died`); a landing's damage of one kind
+resolved at once is one event, with its `count`. What nothing read by the
 time the engine stops died then. A scenario none of whose damage was consumed could not have been
 detected: it is NOT_REACHED, not MISSED.
 
@@ -134,19 +135,31 @@ class ReachTracker:
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def track(self, index: int, landing: int, damage: Sequence[Damage]) -> None:
+        at_once: list[_Tracked] = []
         for number, d in enumerate(damage):
             locations = locations_of(d)
             if not locations:
-                self._emit("perturbation_consumed", index, landing, number, d.kind, "the landing itself")
+                at_once.append(_Tracked(index, landing, number, d.kind, frozenset()))
                 continue
             key = self._next
             self._next += 1
             self._tracked[key] = _Tracked(index, landing, number, d.kind, frozenset(locations))
             for loc in locations:
                 self._by_location.setdefault(loc, set()).add(key)
+        self._emit("perturbation_consumed", at_once, "the landing itself")
 
-    def _emit(self, event: str, index: int, landing: int, number: int, kind: str, by: str) -> None:
-        self._write(event, index=index, landing=landing, damage=number, damage_kind=kind, by=by)
+    def _emit(self, event: str, items: list[_Tracked], by: str) -> None:
+        """One event per (perturbation, landing, damage kind) among `items`, resolved together by
+        `by`: `damage` is the first one's place in its landing's list, `count` (when above 1) how
+        many. A pool read whole resolves a landing's every slot at once; an event each made a
+        never-evict run on SGLang's server write 55,000 of them."""
+        groups: dict[tuple[int, int, str], list[_Tracked]] = {}
+        for item in items:
+            groups.setdefault((item.index, item.landing, item.kind), []).append(item)
+        for (index, landing, kind), group in groups.items():
+            counted = {"count": len(group)} if len(group) > 1 else {}
+            self._write(event, index=index, landing=landing, damage=group[0].number, damage_kind=kind, by=by,
+                        **counted)
 
     def _forget(self, key: int) -> _Tracked:
         item = self._tracked.pop(key)
@@ -160,20 +173,19 @@ class ReachTracker:
 
     def read(self, locations: Iterable[Location], by: str) -> None:
         """The first read of a tracked location consumes its damage."""
-        for loc in locations:
-            for key in sorted(self._by_location.get(loc, ())):
-                item = self._forget(key)
-                self._emit("perturbation_consumed", item.index, item.landing, item.number, item.kind, by)
+        consumed = [self._forget(key) for loc in locations for key in sorted(self._by_location.get(loc, ()))]
+        self._emit("perturbation_consumed", consumed, by)
 
     def kill(self, locations: Iterable[Location], by: str) -> None:
         """Overwritten or freed before any read: a damage dies once all its locations have."""
+        died: list[_Tracked] = []
         for loc in locations:
             for key in sorted(self._by_location.get(loc, ())):
                 item = self._tracked[key]
                 item.killed.add(loc)
                 if item.killed >= item.locations:
-                    self._forget(key)
-                    self._emit("perturbation_died", item.index, item.landing, item.number, item.kind, by)
+                    died.append(self._forget(key))
+        self._emit("perturbation_died", died, by)
 
     def read_tagged(self, tags: Iterable[str], by: str) -> None:
         """A reader of whole structures (a census of the pools, the free lists, the mapping):
@@ -183,9 +195,7 @@ class ReachTracker:
             self.read([loc for loc in self._by_location if loc[0] in wanted], by)
 
     def close(self, by: str = "the engine stopped before anything read it") -> None:
-        for key in sorted(self._tracked):
-            item = self._forget(key)
-            self._emit("perturbation_died", item.index, item.landing, item.number, item.kind, by)
+        self._emit("perturbation_died", [self._forget(key) for key in sorted(self._tracked)], by)
 
     # ---- observations ----------------------------------------------------------------------------
 

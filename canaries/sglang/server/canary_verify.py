@@ -9,8 +9,8 @@ module is the same computation on tensors: the same slots skipped, the same chai
 (`splitmix64_mix3` of the predecessor's token, position and hash), the same real-KV fingerprint
 (each source's bytes little-endian into 64-bit words, folded with `splitmix64`, sources folded
 into one), the same fail bits, the same violation rows in the same order, the same counters and
-ring writes. 64-bit arithmetic runs on int64 tensors (two's complement: wrapping multiplication,
-logical shifts masked). `install` puts it in place of the reference where SGLang looks it up
+ring writes. The chain's 64-bit arithmetic runs on int64 tensors (two's complement: wrapping
+multiplication, logical shifts masked), the fingerprint's word fold on numpy uint64 arrays. `install` puts it in place of the reference where SGLang looks it up
 (`verify.py` imports it from `verify_ref` at each launch); `install_write` gives the write
 reference (`write_ref.py`, whose chain walk stays its own) each slot's real-K/V fingerprint from
 one fold over all the slots it gathered. tests/test_server_canary_verify.py holds both to SGLang's
@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
 import torch
 
 __all__ = ["install", "install_write", "splitmix64", "verify"]
 
 _GOLDEN_1 = 0xBF58476D1CE4E5B9
 _GOLDEN_2 = 0x94D049BB133111EB
+_U_GOLDEN_1, _U_GOLDEN_2 = np.uint64(_GOLDEN_1), np.uint64(_GOLDEN_2)
+_SHIFT_27, _SHIFT_30, _SHIFT_31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def _signed(value: int) -> int:
@@ -52,33 +55,53 @@ def _mix3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return splitmix64(h ^ c)
 
 
+def _fold_words(words: np.ndarray) -> np.ndarray:
+    """`splitmix64(acc ^ word)` over each row's words left to right, from 0 (uint64 [n, w] -> [n]).
+    numpy's uint64 wraps and shifts logically, and its calls cost a fraction of torch's: a
+    fingerprint folds dozens of words a slot, one call chain each."""
+    acc = np.zeros(words.shape[0], dtype=np.uint64)
+    scratch = np.empty_like(acc)
+    for column in np.ascontiguousarray(words.T):
+        np.bitwise_xor(acc, column, out=acc)
+        _splitmix64_in_place(acc, scratch)
+    return acc
+
+
+def _splitmix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
+    for shift, golden in ((_SHIFT_30, _U_GOLDEN_1), (_SHIFT_27, _U_GOLDEN_2)):
+        np.right_shift(x, shift, out=scratch)
+        np.bitwise_xor(x, scratch, out=x)
+        np.multiply(x, golden, out=x)
+    np.right_shift(x, _SHIFT_31, out=scratch)
+    np.bitwise_xor(x, scratch, out=x)
+
+
 def _real_kv_hashes(slots: torch.Tensor, sources: tuple) -> torch.Tensor:
     """`verify_ref._compute_real_kv_hash_scalar` of every slot in `slots` (int64 [n]), from the
     sources `verify_ref.materialize_real_kv_sources` gathered."""
-    acc = torch.zeros_like(slots)
     if not sources:
-        return acc
+        return torch.zeros_like(slots)
+    slot_ids = slots.numpy()
+    acc = np.zeros(slot_ids.shape[0], dtype=np.uint64)
+    scratch = np.empty_like(acc)
     for source in sources:
         page = source.page_size
-        rows = slots // page
-        lookup = torch.full((int(rows.max()) + 1,), -1, dtype=torch.int64)
+        rows = slot_ids // page
+        lookup = np.full(int(rows.max()) + 1, -1, dtype=np.int64)
         for row, index in source.row_lookup.items():
-            if row < lookup.numel():
+            if row < lookup.shape[0]:
                 lookup[row] = index
-        row_index = lookup[rows]
-        col_start = (slots % page) * source.num_bytes_per_token
+        col_start = (slot_ids % page) * source.num_bytes_per_token
         width = source.effective_read_bytes
-        columns = col_start[:, None] + torch.arange(width, dtype=torch.int64)
-        raw = source.tensor_u8[row_index[:, None], columns]  # [n, width] uint8
+        columns = col_start[:, None] + np.arange(width, dtype=np.int64)
+        raw = source.tensor_u8.numpy()[lookup[rows][:, None], columns]  # [n, width] uint8
         pad = (8 - width % 8) % 8
         if pad:
-            raw = torch.cat([raw, torch.zeros((raw.shape[0], pad), dtype=torch.uint8)], dim=1)
-        words = raw.contiguous().view(torch.int64)  # little-endian: byte k is bits 8k..8k+7
-        source_hash = torch.zeros_like(slots)
-        for w in range(words.shape[1]):
-            source_hash = splitmix64(source_hash ^ words[:, w])
-        acc = splitmix64(acc ^ source_hash)
-    return acc
+            raw = np.concatenate([raw, np.zeros((raw.shape[0], pad), dtype=np.uint8)], axis=1)
+        words = np.ascontiguousarray(raw).view("<u8")  # little-endian: byte k is bits 8k..8k+7
+        np.bitwise_xor(acc, _fold_words(words), out=acc)
+        _splitmix64_in_place(acc, scratch)
+    return torch.from_numpy(acc.view(np.int64))
 
 
 def verify(*, context, plan, check_verify_expected_token: bool) -> None:

@@ -107,8 +107,9 @@ PINNED_FACTORIES = ("empty", "zeros", "ones", "full", "tensor")
 def install() -> None:
     """Provide `sgl_kernel`'s CPU ops where no `sgl_kernel` is importable, a CPU stream that takes
     a device, unpinned host buffers where torch has no accelerator, the torch_native attention
-    backend's SWA reads through the mapping (`translate_swa_reads`) and the KV canary's verify over
-    all slots at once (`canary_verify`) once SGLang imports them (idempotent)."""
+    backend's SWA reads through the mapping (`translate_swa_reads`), the KV canary's verify over
+    all slots at once (`canary_verify`), its verify plan over lists (`canary_plan`) and its phase check on the host (`phase_check`) once
+    SGLang imports them (idempotent)."""
     if not isinstance(torch.cpu.Stream, type) or not issubclass(torch.cpu.Stream, _DeviceTolerantCpuStream):
         torch.cpu.Stream = _DeviceTolerantCpuStream
     if not torch.cuda.is_available():
@@ -128,6 +129,13 @@ def install() -> None:
 
     after_import("sglang.kernels.ops.kv_canary.verify_ref", canary_verify.install)
     after_import("sglang.kernels.ops.kv_canary.write_ref", canary_verify.install_write)
+    from canaries.sglang.server import canary_plan
+
+    after_import("sglang.kernels.ops.kv_canary.plan_ref", canary_plan.install)
+    # Its phase checker's one-program kernel on the host, not in Triton's interpreter.
+    from canaries.sglang.server import phase_check
+
+    after_import("sglang.srt.utils.phase_checker", phase_check.install)
     if "sgl_kernel" in sys.modules or importlib.util.find_spec("sgl_kernel") is not None:
         return
     module = types.ModuleType("sgl_kernel")

@@ -101,6 +101,9 @@ class LockstepGate:
     def read_notes(self) -> None:
         """Take in what the driver appended to the gate file since the last read."""
         try:
+            # A holding gate polls every POLL_S: a stat, not an open, while nothing was appended.
+            if os.stat(self._path).st_size <= self._offset:
+                return
             with open(self._path, "rb") as file:
                 file.seek(self._offset)
                 chunk = file.read()
