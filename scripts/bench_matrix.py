@@ -4,7 +4,7 @@ one server run.
 
     python scripts/bench_matrix.py [--releases 0.5.21,0.5.22,0.5.23]
         [--server-columns 0.5.22,0.5.23,0.5.23+release-leaks-last-slot] [--jobs 2] [--columns 3]
-        [--every N] [--skip memory|server] [--rerun-native]
+        [--every N] [--skip memory|server] [--rerun-native] [--cold-only]
 
 In this order, each into a fresh report directory, with the machine's load average beside each:
 
@@ -17,9 +17,12 @@ In this order, each into a fresh report directory, with the machine's load avera
    to step 2 (target <= 3.0x for native plus three releases, issue 33; the default is the three
    newest, the heaviest: 0.5.22 and 0.5.23 run every scenario, 0.5.21 all but those with a page
    size above 1, which need CUDA there; 0.5.18-0.5.20 refuse them too);
-4. `canary run --runtime sglang-server -j JOBS`: the ratio to step 2 a scenario (target <= 3.0x);
-5. `canary matrix --runtime sglang-server --sglang SERVER_COLUMNS -j JOBS --columns N --no-build`:
-   the ratio to step 4 (target <= 3.0x for three server columns).
+4. `canary run --runtime sglang-server -j JOBS`, twice: cold (every server reference's clean
+   answers computed, as on a fresh machine) and warm (the same run, the answers kept from the
+   cold one: canaries/sglang/oracle_cache.py); each run's ratio to step 2 (target <= 3.0x);
+   `--cold-only` skips the warm one;
+5. `canary matrix --runtime sglang-server --sglang SERVER_COLUMNS -j JOBS --columns N --no-build`,
+   cold: the ratio to step 4's cold run (target <= 3.0x for three server columns).
 
 `--every N` takes every Nth library scenario by name (1: the whole library). `--rerun-native`
 makes the matrices run their native column too. Needs every venv (scripts/make-sglang-venv.sh,
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+ORACLE_CACHE_ENV = "CANARY_SERVER_ORACLE_CACHE"  # canaries/sglang/oracle_cache.py
 LIBRARY = REPO / "configs" / "scenarios"
 
 
@@ -46,9 +50,9 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _canary(argv: list[str], report: Path) -> tuple[float, dict]:
-    """Wall time of `canary ARGV --report-dir REPORT` and its matrix.json (or {})."""
-    env = {**os.environ, "CANARY_PROGRESS": "plain"}
+def _canary(argv: list[str], report: Path, env: dict[str, str] | None = None) -> tuple[float, dict]:
+    """Wall time of `canary ARGV --report-dir REPORT` (with `env` added) and its matrix.json (or {})."""
+    env = {**os.environ, "CANARY_PROGRESS": "plain", **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "canaries.cli", *argv, "--report-dir", str(report)],
                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", choices=("memory", "server"), action="append", default=[],
                         help="leave out the memory-path matrix or both server steps")
     parser.add_argument("--rerun-native", action="store_true", help="the matrices run their native column too")
+    parser.add_argument("--cold-only", action="store_true",
+                        help="run the server library once (every reference computed), not again with them kept")
     parser.add_argument("--keep", metavar="DIR", help="write the reports under DIR (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.every < 1 or args.jobs < 1 or args.columns < 1:
@@ -123,18 +129,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"load {load} -> {_load()})", flush=True)
 
         if "server" not in args.skip:
-            load = _load()
-            server_s, _ = _canary(["run", *files, *jobs, "--runtime", "sglang-server"], tmp / "server")
-            out |= {"server_s": round(server_s, 1), "server_ratio": round(server_s / run_s, 2)}
-            print(f"canary run --runtime sglang-server -j {args.jobs}: {server_s:.1f}s, "
-                  f"{server_s / len(files):.3f}s a scenario = {server_s / run_s:.2f}x our engine (target <= 3.0x; "
-                  f"load {load} -> {_load()})", flush=True)
+            # Cold: every reference's answers computed (a fresh machine); warm: the same run
+            # again, each reference's answers kept from the cold one (canaries/sglang/oracle_cache.py).
+            oracle_dir = tmp / "server-oracle"
+            rounds = ("cold",) if args.cold_only else ("cold", "warm")
+            cold_s = 0.0
+            for round_ in rounds:
+                load = _load()
+                server_s, _ = _canary(["run", *files, *jobs, "--runtime", "sglang-server"], tmp / f"server-{round_}",
+                                      env={ORACLE_CACHE_ENV: str(oracle_dir)})
+                kept = len(list(oracle_dir.rglob("*.json")))
+                cold_s = cold_s or server_s
+                out |= {f"server_{round_}_s": round(server_s, 1), f"server_{round_}_ratio": round(server_s / run_s, 2)}
+                print(f"canary run --runtime sglang-server -j {args.jobs} ({round_} references, {kept} kept after): "
+                      f"{server_s:.1f}s, {server_s / len(files):.3f}s a scenario = {server_s / run_s:.2f}x our engine "
+                      f"(target <= 3.0x; load {load} -> {_load()})", flush=True)
             load = _load()
             smatrix_s, doc = _canary(["matrix", *files, "--runtime", "sglang-server", "--sglang",
-                                      args.server_columns, *matrix_flags], tmp / "server-matrix")
-            out |= {"server_matrix_s": round(smatrix_s, 1), "server_matrix_ratio": round(smatrix_s / server_s, 2)}
+                                      args.server_columns, *matrix_flags], tmp / "server-matrix",
+                                     env={ORACLE_CACHE_ENV: str(tmp / "server-matrix-oracle")})
+            out |= {"server_matrix_s": round(smatrix_s, 1), "server_matrix_ratio": round(smatrix_s / cold_s, 2)}
             print(f"canary matrix --runtime sglang-server --sglang {args.server_columns}: {smatrix_s:.1f}s = "
-                  f"{smatrix_s / server_s:.2f}x one server run (target <= 3.0x; native "
+                  f"{smatrix_s / cold_s:.2f}x one cold server run (target <= 3.0x; native "
                   f"{doc.get('native_cached', 0)} of {len(files)} reused; load {load} -> {_load()})", flush=True)
     print(json.dumps(out))
     return 0

@@ -27,11 +27,14 @@ def _fresh_invariant_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _own_native_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test (and every `canary` it starts) keeps its native runs apart (canaries/native_cache.py):
-    none is reused from another test or from the user's own runs."""
+    """Each test (and every `canary` it starts) keeps its native runs (canaries/native_cache.py) and
+    its server references' answers (canaries/sglang/oracle_cache.py) apart: none is reused from
+    another test or from the user's own runs."""
     from canaries.native_cache import CACHE_ENV
+    from canaries.sglang.oracle_cache import ORACLE_CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("canary-cache")))
+    monkeypatch.delenv(ORACLE_CACHE_ENV, raising=False)
 
 
 @pytest.fixture

@@ -14,8 +14,10 @@ own, so the reference is an SGLang server given the same requests. Which one is 
   section: a gate's candidate is held to the `--last` release's answers.
 
 Either is computed once per engine section, plan and reference and kept on disk
-(`<report dir>/.server-oracle/<key>.json`), so a library run pays one reference server per
-configuration, not one per scenario. Greedy answers only (a sampled one has no reference).
+(`<key>.json`), so a library run pays one reference server per configuration, not one per
+scenario: across runs under `$CANARY_CACHE_DIR/server-oracle/` where the reference's install and
+the suite's code have a fingerprint (canaries/sglang/oracle_cache.py), else in the report
+(`<report dir>/.server-oracle/`). Greedy answers only (a sampled one has no reference).
 
 `ServerAnswerOracle` runs it for one scenario: for a clean control on a thread from the run's
 start (its verdict needs it), for a perturbed one after the run and only where the run was silent
@@ -154,14 +156,15 @@ class ServerOracle:
 
 def clean_answers(reference: ServerReference, spec: dict, plan: list[Any], run_dir: Path, workload: Any,
                   seed: int, patience: Any) -> dict[str, list[int]]:
-    """`reference`'s clean answers (by rid) to `plan` for `spec`'s engine section, cached in
-    `<report>/.server-oracle/` (RuntimeError if the reference server did not answer)."""
+    """`reference`'s clean answers (by rid) to `plan` for `spec`'s engine section, cached
+    (`oracle_cache.kept_dir`; RuntimeError if the reference server did not answer)."""
     from canaries.driver import drive
     from canaries.runner import cancelled
+    from canaries.sglang.oracle_cache import kept_dir
     from canaries.sglang.runtime import READY_TIMEOUT_S, SGLangServerRuntime
 
     clean_spec = {**spec, "engine": reference.engine(spec.get("engine") or {}), "perturbations": []}
-    cache = ServerOracle(run_dir.parent / ".server-oracle", clean_spec["engine"], plan, reference.describe()
+    cache = ServerOracle(kept_dir(reference.python, run_dir.parent), clean_spec["engine"], plan, reference.describe()
                          + f" [{reference.python}]")
 
     def clean_run() -> list[dict]:
