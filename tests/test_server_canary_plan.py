@@ -1,5 +1,5 @@
-"""SGLang's KV-canary verify plan read from lists (canaries/sglang/server/canary_plan.py) against
-SGLang's own `_materialize_verify_entries` on the same inputs, in every SGLang server venv here:
+"""SGLang's KV-canary plan read from lists (canaries/sglang/server/canary_plan.py) against SGLang's
+own `_materialize_verify_entries` and `_materialize_write_metadata` on the same inputs, in every SGLang server venv here:
 the same return value, the same plan tensors (every element, the untouched tail included), and
 where the reference raises, the same exception. Random batches: padding rows, windows and no
 window, the full-to-SWA mapping or none, negative slots, expected tokens with their valid lengths
@@ -80,7 +80,42 @@ SIDE_BY_SIDE = textwrap.dedent("""
             "overflow" if value > arguments["verify_capacity"] else "entries"
         outcomes[kind] += 1
     assert all(count >= 10 for count in outcomes.values()), outcomes
-    print("same", sum(outcomes.values()))
+
+    # The write metadata: offsets, seed slots (translated), the valid count, on random batches.
+    from sglang.kernels.ops.kv_canary.write import WritePlan
+
+    write_reference = plan_ref._materialize_write_metadata
+    write_listed = canary_plan.materialize_write_metadata(write_reference, int(plan_ref.REQ_POOL_IDX_PADDING))
+    written = {"seeded": 0, "raised": 0}
+    for case in range(600):
+        rows, row_len, bs = rng.randint(2, 6), rng.choice([8, 24]), rng.randint(1, 5)
+        r2t = torch.randint(-1, 61, (rows, row_len), dtype=torch.int64)
+        lut = torch.randint(0, 40, (rng.choice([61, 61, 30]),), dtype=torch.int64) if rng.random() < 0.6 else None
+        req = [rng.choice([0, rng.randint(1, rows - 1)]) for _ in range(bs)]
+        if rng.random() < 0.08:
+            req[rng.randrange(bs)] = rng.choice([rows, -1])
+        capacity = rng.choice([2, 8])
+        arguments = dict(
+            req_pool_indices_host=torch.tensor(req, dtype=torch.int64),
+            prefix_lens_host=torch.tensor([rng.randint(0, row_len + 3) for _ in range(bs)], dtype=torch.int64),
+            extend_seq_lens_host=torch.tensor([rng.randint(-1, 9) for _ in range(bs)], dtype=torch.int64),
+            req_to_token_host=r2t, lut=lut, write_req_capacity=capacity, work_device=torch.device("cpu"), bs=bs)
+        state = []
+        for function in (write_reference, write_listed):
+            g = torch.Generator().manual_seed(case)
+            out = WritePlan(write_offsets=torch.randint(-9, 99, (capacity + 1,), generator=g, dtype=torch.int64),
+                            write_seed_slot_indices=torch.randint(-9, 99, (capacity,), generator=g, dtype=torch.int64),
+                            write_num_valid_reqs=torch.zeros(1, dtype=torch.int32))
+            try:
+                value = function(write_plan_out=out, **arguments)
+            except Exception as exc:
+                value = ("raised", type(exc).__name__)
+            state.append((value, out.write_offsets.tolist(), out.write_seed_slot_indices.tolist(),
+                          out.write_num_valid_reqs.tolist()))
+        assert state[0] == state[1], (case, arguments, state)
+        written["raised" if isinstance(state[0][0], tuple) else "seeded"] += 1
+    assert min(written.values()) >= 10, written
+    print("same", sum(outcomes.values()) + sum(written.values()))
 """)
 
 
@@ -92,4 +127,4 @@ def test_listed_verify_plan_matches_sglang_reference(release: str) -> None:
     proc = subprocess.run([str(python), "-c", SIDE_BY_SIDE, str(REPO)], capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    assert proc.stdout.strip() == "same 600"
+    assert proc.stdout.strip() == "same 1200"

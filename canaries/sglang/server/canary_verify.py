@@ -9,8 +9,8 @@ module is the same computation on tensors: the same slots skipped, the same chai
 (`splitmix64_mix3` of the predecessor's token, position and hash), the same real-KV fingerprint
 (each source's bytes little-endian into 64-bit words, folded with `splitmix64`, sources folded
 into one), the same fail bits, the same violation rows in the same order, the same counters and
-ring writes. The chain's 64-bit arithmetic runs on int64 tensors (two's complement: wrapping
-multiplication, logical shifts masked), the fingerprint's word fold on numpy uint64 arrays. `install` puts it in place of the reference where SGLang looks it up
+ring writes. The 64-bit hashing runs on numpy uint64 arrays (wrapping multiplication, logical
+shifts), whose calls cost a fraction of torch's. `install` puts it in place of the reference where SGLang looks it up
 (`verify.py` imports it from `verify_ref` at each launch); `install_write` gives the write
 reference (`write_ref.py`, whose chain walk stays its own) each slot's real-K/V fingerprint from
 one fold over all the slots it gathered. tests/test_server_canary_verify.py holds both to SGLang's
@@ -37,22 +37,25 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's `>>` on int64 is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
 def splitmix64(x: torch.Tensor) -> torch.Tensor:
     """SGLang's `consts.splitmix64` on each int64 (its 64 bits read as unsigned)."""
-    x = (x ^ _shift_right(x, 30)) * _signed(_GOLDEN_1)
-    x = (x ^ _shift_right(x, 27)) * _signed(_GOLDEN_2)
-    return x ^ _shift_right(x, 31)
+    values = x.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64).copy()
+    _splitmix64_in_place(values, np.empty_like(values))
+    return torch.from_numpy(values.view(np.int64))
 
 
 def _mix3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    h = splitmix64(a)
-    h = splitmix64(h ^ b)
-    return splitmix64(h ^ c)
+    """SGLang's `splitmix64_mix3` of each (a, b, c), on uint64 arrays."""
+    def words(t: torch.Tensor) -> np.ndarray:
+        return t.contiguous().numpy().view(np.uint64)
+
+    h = words(a).copy()
+    scratch = np.empty_like(h)
+    _splitmix64_in_place(h, scratch)
+    for value in (words(b), words(c)):
+        np.bitwise_xor(h, value, out=h)
+        _splitmix64_in_place(h, scratch)
+    return torch.from_numpy(h.view(np.int64))
 
 
 def _fold_words(words: np.ndarray) -> np.ndarray:
