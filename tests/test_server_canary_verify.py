@@ -106,7 +106,7 @@ CHECK = textwrap.dedent("""
         return out[0][1][0] - 1
 
     # The real-K/V fingerprint itself, slot by slot, against the reference's scalar fold.
-    from canaries.sglang.server.canary_verify import _real_kv_hashes
+    from canaries.sglang.server.canary_verify import real_kv_hashes
     for page in (1, 16):
         for mode in (consts.RealKvHashMode.PARTIAL, consts.RealKvHashMode.ALL):
             k = torch.randn(32, page * 64 // 4)
@@ -117,7 +117,7 @@ CHECK = textwrap.dedent("""
             mat = verify_ref.materialize_real_kv_sources(real_kv_sources=sources, real_kv_hash_mode=mode,
                                                          slot_indices=slots, work_device=torch.device("cpu"))
             want = [verify_ref._compute_real_kv_hash_scalar(slot_idx=s, host_sources=mat) for s in slots]
-            got = [x & U64 for x in _real_kv_hashes(torch.tensor(slots), mat).tolist()]
+            got = [x & U64 for x in real_kv_hashes(torch.tensor(slots), mat).tolist()]
             assert got == want, (page, mode)
 
     # The write reference with its fingerprints folded at once: the same buffer and ring.

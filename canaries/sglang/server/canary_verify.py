@@ -24,7 +24,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-__all__ = ["install", "install_write", "splitmix64", "verify"]
+__all__ = ["install", "install_write", "real_kv_hashes", "splitmix64", "verify"]
 
 _GOLDEN_1 = 0xBF58476D1CE4E5B9
 _GOLDEN_2 = 0x94D049BB133111EB
@@ -79,7 +79,7 @@ def _splitmix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
     np.bitwise_xor(x, scratch, out=x)
 
 
-def _real_kv_hashes(slots: torch.Tensor, sources: tuple) -> torch.Tensor:
+def real_kv_hashes(slots: torch.Tensor, sources: tuple) -> torch.Tensor:
     """`verify_ref._compute_real_kv_hash_scalar` of every slot in `slots` (int64 [n]), from the
     sources `verify_ref.materialize_real_kv_sources` gathered."""
     if not sources:
@@ -155,7 +155,7 @@ def verify(*, context, plan, check_verify_expected_token: bool) -> None:
                       prev[:, consts.CANARY_FIELD_POSITION])
     anchor = splitmix64(torch.tensor([_signed(consts.CANARY_CHAIN_ANCHOR)], dtype=torch.int64))
     expected_chain = torch.where(reachable, torch.where(head, anchor, from_prev), stored_chain)
-    expected_real = _real_kv_hashes(slots, sources)
+    expected_real = real_kv_hashes(slots, sources)
 
     fail = torch.zeros_like(slots)
     fail |= torch.where(reachable & (stored_chain != expected_chain),
@@ -201,7 +201,7 @@ def _write_materialize(original):
                            slot_indices=slot_indices, work_device=work_device)
         out = _WithHashes(sources)
         slots = torch.tensor(list(slot_indices), dtype=torch.int64)
-        hashes = _real_kv_hashes(slots, sources) if slots.numel() else slots
+        hashes = real_kv_hashes(slots, sources) if slots.numel() else slots
         out.hashes = {slot: value & ((1 << 64) - 1) for slot, value in zip(slots.tolist(), hashes.tolist(), strict=True)}
         return out
 

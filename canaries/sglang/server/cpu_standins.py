@@ -108,7 +108,7 @@ def install() -> None:
     """Provide `sgl_kernel`'s CPU ops where no `sgl_kernel` is importable, a CPU stream that takes
     a device, unpinned host buffers where torch has no accelerator, the torch_native attention
     backend's SWA reads through the mapping (`translate_swa_reads`), the KV canary's verify over
-    all slots at once (`canary_verify`), its verify plan over lists (`canary_plan`) and its phase check on the host (`phase_check`) once
+    all slots at once (`canary_verify`), its plan and write over lists (`canary_plan`, `canary_write`) and its phase check on the host (`phase_check`) once
     SGLang imports them (idempotent)."""
     if not isinstance(torch.cpu.Stream, type) or not issubclass(torch.cpu.Stream, _DeviceTolerantCpuStream):
         torch.cpu.Stream = _DeviceTolerantCpuStream
@@ -128,7 +128,13 @@ def install() -> None:
     from canaries.sglang.server import canary_verify
 
     after_import("sglang.kernels.ops.kv_canary.verify_ref", canary_verify.install)
-    after_import("sglang.kernels.ops.kv_canary.write_ref", canary_verify.install_write)
+    from canaries.sglang.server import canary_write
+
+    def install_write(module: types.ModuleType) -> None:  # one hook a module: both, in this order
+        canary_verify.install_write(module)
+        canary_write.install(module)
+
+    after_import("sglang.kernels.ops.kv_canary.write_ref", install_write)
     from canaries.sglang.server import canary_plan
 
     after_import("sglang.kernels.ops.kv_canary.plan_ref", canary_plan.install)
