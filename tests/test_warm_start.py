@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from canaries.conftest import engines_under
 from canaries.runner import run_scenario
@@ -25,10 +26,11 @@ SCENARIOS = REPO / "configs" / "scenarios"
 PARITY = ["clean-page1-radix", "corrupt-r2t-strict", "flip-kv-canary-raise", "leak-request"]
 
 
-def _run(name: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **kw):
+def _run(name: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scenario_dir: Path = SCENARIOS,
+         **kw):
     monkeypatch.setenv("CANARY_ENGINE_START", mode)
     run_dir = tmp_path / mode / name
-    record = run_scenario(load_scenario(SCENARIOS / f"{name}.yaml"), run_dir, **kw)
+    record = run_scenario(load_scenario(scenario_dir / f"{name}.yaml"), run_dir, **kw)
     assert engines_under(run_dir) == []
     return record, trace_of(read_events(run_dir / "events.jsonl"))
 
@@ -46,12 +48,18 @@ def test_warm_and_fresh_engines_give_the_same_verdict_and_trace(name, tmp_path, 
 
 @pytest.mark.slow
 def test_warm_engine_killed_from_outside_reads_as_the_signal(tmp_path, monkeypatch):
+    # The library's control, each step 20 ms slower: the kill 0.2 s after the start lands inside
+    # the workload however fast the machine (unslowed, a quiet run could finish first: CLEAN, 0).
+    doc = yaml.safe_load((SCENARIOS / "clean-page1-radix.yaml").read_text(encoding="utf-8"))
+    doc["engine"]["step_delay_s"] = 0.02
+    (tmp_path / "clean-page1-radix.yaml").write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     codes = {}
     for mode in ("fresh", "warm"):
         def kill_soon(rt) -> None:
             threading.Timer(0.2, rt.kill, args=(signal.SIGKILL,)).start()
 
-        record, _ = _run("clean-page1-radix", mode, tmp_path, monkeypatch, on_started=kill_soon)
+        record, _ = _run("clean-page1-radix", mode, tmp_path, monkeypatch, scenario_dir=tmp_path,
+                         on_started=kill_soon)
         codes[mode] = (record.verdict, record.extra["exit_code"])
     assert codes["warm"] == codes["fresh"] == ("INCONCLUSIVE", -signal.SIGKILL)
 
