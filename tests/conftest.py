@@ -43,3 +43,28 @@ def terminal_sigint() -> Callable[[], None]:
     from canaries.conftest import sigint_as_on_a_terminal
 
     return sigint_as_on_a_terminal
+
+
+@pytest.fixture
+def in_server_venv() -> Callable[..., str]:
+    """`run(release, script, env=None)`: `script` run by SGLang `release`'s server venv (this
+    checkout's root as `sys.argv[1]`), its stdout stripped; skips where the venv is missing, fails
+    with the script's output where it exits non-zero."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from canaries.sglang.releases.venvs import find_python
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(release: str, script: str, env: dict[str, str] | None = None) -> str:
+        python = find_python(release, server=True)
+        if python is None:
+            pytest.skip(f"no SGLang {release} server venv: bash scripts/make-sglang-venv.sh --server --version {release}")
+        proc = subprocess.run([str(python), "-c", script, str(root)], capture_output=True, text=True, timeout=300,
+                              check=False, env=env if env is not None else dict(os.environ))
+        assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+        return proc.stdout.strip()
+
+    return run

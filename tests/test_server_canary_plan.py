@@ -7,15 +7,9 @@ and offsets, a capacity that overflows, and inputs that index outside their tens
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from canaries.sglang.releases.venvs import find_python
-
-REPO = Path(__file__).resolve().parents[1]
 
 SIDE_BY_SIDE = textwrap.dedent("""
     import random, sys
@@ -120,11 +114,5 @@ SIDE_BY_SIDE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.22"])
-def test_listed_verify_plan_matches_sglang_reference(release: str) -> None:
-    python = find_python(release, server=True)
-    if python is None:
-        pytest.skip(f"no SGLang {release} server venv: bash scripts/make-sglang-venv.sh --server --version {release}")
-    proc = subprocess.run([str(python), "-c", SIDE_BY_SIDE, str(REPO)], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    assert proc.stdout.strip() == "same 1200"
+def test_listed_verify_plan_matches_sglang_reference(release: str, in_server_venv) -> None:
+    assert in_server_venv(release, SIDE_BY_SIDE) == "same 1200"

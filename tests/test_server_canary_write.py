@@ -7,15 +7,9 @@ mode, page sizes 1 and 16, a ring that overflows, and launches the reference ref
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from canaries.sglang.releases.venvs import find_python
-
-REPO = Path(__file__).resolve().parents[1]
 
 SIDE_BY_SIDE = textwrap.dedent("""
     import random, sys
@@ -103,14 +97,8 @@ SIDE_BY_SIDE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.22"])
-def test_listed_write_matches_sglang_reference(release: str) -> None:
-    python = find_python(release, server=True)
-    if python is None:
-        pytest.skip(f"no SGLang {release} server venv: bash scripts/make-sglang-venv.sh --server --version {release}")
-    proc = subprocess.run([str(python), "-c", SIDE_BY_SIDE, str(REPO)], capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    assert proc.stdout.strip() == "same 500"
+def test_listed_write_matches_sglang_reference(release: str, in_server_venv) -> None:
+    assert in_server_venv(release, SIDE_BY_SIDE) == "same 500"
 
 
 WIRED = textwrap.dedent("""
@@ -130,10 +118,6 @@ WIRED = textwrap.dedent("""
 """)
 
 
-def test_cpu_standins_put_every_listed_canary_launch_in_place() -> None:
-    python = find_python("0.5.23", server=True)
-    if python is None:
-        pytest.skip("no SGLang 0.5.23 server venv: bash scripts/make-sglang-venv.sh --server")
-    proc = subprocess.run([str(python), "-c", WIRED, str(REPO)], capture_output=True, text=True, timeout=300,
-                          check=False, env={"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "wired", proc.stderr[-3000:] + proc.stdout[-2000:]
+def test_cpu_standins_put_every_listed_canary_launch_in_place(in_server_venv) -> None:
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+    assert in_server_venv("0.5.23", WIRED, env) == "wired"

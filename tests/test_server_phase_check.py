@@ -6,15 +6,9 @@ kernel keeps the interpreter, and that the CPU stand-ins every server process in
 from __future__ import annotations
 
 import os
-import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from canaries.sglang.releases.venvs import find_python
-
-REPO = Path(__file__).resolve().parents[1]
 
 SIDE_BY_SIDE = textwrap.dedent("""
     import contextlib, io, random, sys
@@ -81,15 +75,8 @@ SIDE_BY_SIDE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("release", ["0.5.23", "0.5.22"])
-def test_host_phase_check_matches_the_interpreted_kernel(release: str) -> None:
-    python = find_python(release, server=True)
-    if python is None:
-        pytest.skip(f"no SGLang {release} server venv: bash scripts/make-sglang-venv.sh --server --version {release}")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([str(python), "-c", SIDE_BY_SIDE, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    assert proc.stdout.strip() == "same 300"
+def test_host_phase_check_matches_the_interpreted_kernel(release: str, in_server_venv) -> None:
+    assert in_server_venv(release, SIDE_BY_SIDE, {**os.environ, "TRITON_INTERPRET": "1"}) == "same 300"
 
 
 def test_host_phase_check_refuses_a_kernel_launch_it_does_not_know() -> None:
