@@ -366,10 +366,14 @@ class Engine:
         """Gated and the driver still owes requests: hold the idle tick (up to the gate timeout).
 
         Between two waves the engine can run dry before the driver's next requests arrive; an
-        idle tick there (an `idle_check` event) would make the trace depend on HTTP timing.
+        idle tick there (an `idle_check` event) would make the trace depend on HTTP timing. Once
+        every planned request has arrived nothing more can: an idle engine that still owes an
+        answer has lost it, and the idle tick that says so runs at once.
         """
         cfg = self.config
         if cfg.gate_requests <= 0 or self.completed + len(self._skipped) >= cfg.gate_requests:
+            return False
+        if self.received + len(self._skipped) >= cfg.gate_requests:
             return False
         if time.monotonic() < deadline:
             return True

@@ -72,3 +72,30 @@ def test_finished_request_left_unanswered_fires_answer_ledger(tmp_path: Path, le
     named = [e for e in events if e["kind"] in ("invariant_firing", "crash")
              and "idle.answer_ledger" in json.dumps(e)]
     assert named, "the answer ledger's firing never reached the event log"
+
+
+def test_lost_answer_after_every_planned_request_arrived_fires_without_a_gate_timeout(tmp_path: Path) -> None:
+    # Gated for two requests: once both have arrived nothing more can, so the idle tick that
+    # names the lost answer must not wait out the gate's timeout (an hour here) for a third.
+    config = EngineConfig(device="cpu", invariant_check="warn", event_log=str(tmp_path / "events.jsonl"),
+                          gate_requests=2, gate_concurrency=2, gate_timeout_s=3600)
+    engine = Engine(config, exit_on_crash=False)
+    answered = threading.Event()
+    got: list[Req] = []
+
+    def on_finish(req: Req) -> None:
+        got.append(req)
+        if len(got) == 2:
+            answered.set()
+
+    engine.submit([5, 6, 7, 8], 4, rid="fine", on_finish=on_finish)
+    lost = engine.submit([9, 10, 11], 4, rid="lost", on_finish=on_finish)
+    lost.on_finish = None  # the planted bug: finished without an answer
+    engine.start()
+    try:
+        assert answered.wait(30), "the lost answer was never delivered by the idle tick"
+    finally:
+        engine.stop(drain_timeout_s=1)
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["rids"] for e in events if e["kind"] == "unanswered_requests"] == [["lost"]]
+    assert not [e for e in events if e["kind"] == "gate_timeout"]
