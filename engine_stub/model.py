@@ -12,6 +12,7 @@ the output oracle. It runs in float64, so an undamaged engine run matches it exa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,10 +87,14 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
 def _rotary_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin `[T, 1, head_dim // 2]` of the rotate-half rotary embedding (base 10000) at
     `positions`: the same for every layer and for queries and keys, so computed once a step."""
-    half = head_dim // 2
-    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=dtype, device=positions.device) / half))
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :]
+    angles = positions.to(dtype)[:, None] * _inverse_frequencies(head_dim, dtype, positions.device)[None, :]
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+@functools.cache
+def _inverse_frequencies(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    half = head_dim // 2
+    return 1.0 / (10000 ** (torch.arange(half, dtype=dtype, device=device) / half))
 
 
 def _rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -140,14 +145,21 @@ def _attend(
     return torch.matmul(probs.unsqueeze(2), values.transpose(1, 2)).squeeze(2)
 
 
-def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masked_out: torch.Tensor) -> torch.Tensor:
     """`_attend` with one key row per request instead of one per query: `q` `[B, Tq, heads,
-    head_dim]` (a request's queries, padded), `keys`, `values` `[B, L, heads, head_dim]`, `mask`
-    `[B, Tq, L]`. The values must be finite: a masked value is not zeroed per query, so a NaN in it
+    head_dim]` (a request's queries, padded), `keys`, `values` `[B, L, heads, head_dim]`,
+    `masked_out` `[B, 1, Tq, L]` the keys each query must not see (`~mask[:, None]`). The values
+    must be finite: a masked value is not zeroed per query, so a NaN in it
     would leak through 0 * NaN (the caller takes `_attend` then)."""
     scores = torch.matmul(q.transpose(1, 2), keys.permute(0, 2, 3, 1)) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill(masked_out, float("-inf")), dim=-1)
     return torch.matmul(probs, values.transpose(1, 2)).transpose(1, 2)
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    # A finite sum proves every element finite (a NaN or an infinity makes the sum one), at a
+    # fraction of `isfinite().all()`'s cost; only a non-finite sum needs the element-wise look.
+    return bool(values.sum().isfinite()) or bool(torch.isfinite(values).all())
 
 
 class TinyHybridModel:
@@ -228,7 +240,7 @@ class TinyHybridModel:
         # The same in every layer: computed once a step (full layers share one mask, SWA layers
         # another; each group's slots translate once, as the mapping cannot move inside a forward).
         rotary = _rotary_tables(batch.positions, self.config.head_dim, x.dtype)
-        masks: dict[int | None, torch.Tensor] = {}
+        masked_out: dict[int | None, torch.Tensor] = {}
         group_rows: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # (write rows, read rows)
         heads, head_dim = self.config.num_heads, self.config.head_dim
         for layer in range(len(self.layers)):
@@ -243,20 +255,20 @@ class TinyHybridModel:
             keys = keys.view(num_reqs, max_len, heads, head_dim)
             values = values.view(num_reqs, max_len, heads, head_dim)
             window = self._window_of(layer)
-            if window not in masks:
-                masks[window] = _attention_mask(padded_positions.reshape(-1), key_valid.repeat_interleave(
-                    max_extend, dim=0), window).view(num_reqs, max_extend, max_len)
-            if not bool(torch.isfinite(values).all()):
+            if window not in masked_out:
+                masked_out[window] = ~_attention_mask(padded_positions.reshape(-1), key_valid.repeat_interleave(
+                    max_extend, dim=0), window).view(num_reqs, 1, max_extend, max_len)
+            if not _all_finite(values):
                 # Damaged bytes: a key row per query, so each query's masked values are zeroed.
                 attn = _attend(q, batch.positions, keys[req_of_token], values[req_of_token],
                                key_valid[req_of_token], window)
             elif num_tokens == num_reqs * max_extend:  # as many new tokens each (a decode): no padding
                 attn = _attend_rows(q.view(num_reqs, max_extend, heads, head_dim), keys, values,
-                                    masks[window]).reshape(num_tokens, heads, head_dim)
+                                    masked_out[window]).reshape(num_tokens, heads, head_dim)
             else:
                 padded_q = q.new_zeros((num_reqs, max_extend, heads, head_dim))
                 padded_q[req_of_token, offset_of_token] = q
-                attn = _attend_rows(padded_q, keys, values, masks[window])[req_of_token, offset_of_token]
+                attn = _attend_rows(padded_q, keys, values, masked_out[window])[req_of_token, offset_of_token]
             x = self._finish_layer(layer, x, attn)
         last = extend_lens_t.cumsum(0) - 1
         return _rms_norm(x[last]) @ self.lm_head

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_stub import model as model_module
 from engine_stub.config import EngineConfig
 from engine_stub.events import EventLog
 from engine_stub.mem.kv_pool import HybridKVPool
@@ -166,6 +167,18 @@ def test_nan_value_outside_the_window_never_reaches_logits_and_inside_does() -> 
     assert torch.equal(_decode_logits(model, pool, table, prompt_len), base)
     pool.v_buffer[swa_layer][prompt_len - 1 + 1] = float("nan")  # the newest earlier position: read
     assert not torch.isfinite(_decode_logits(model, pool, table, prompt_len)).any()
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [([1.0, -2.0], True), ([1e308, 1e308], True), ([1.0, float("nan")], False), ([float("inf"), 1.0], False),
+     ([float("inf"), float("-inf")], False)],
+)
+def test_all_finite_check_agrees_with_the_element_wise_one(values: list[float], finite: bool) -> None:
+    # The forward's fast check reads a sum; a sum that overflows (1e308 + 1e308) must not pass
+    # finite values to the per-query path, nor an infinity that cancels hide there.
+    tensor = torch.tensor(values, dtype=torch.float64)
+    assert model_module._all_finite(tensor) is finite is bool(torch.isfinite(tensor).all())
 
 
 def test_reference_ignores_tokens_beyond_window_only_in_swa_layers() -> None:
