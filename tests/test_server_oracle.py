@@ -5,6 +5,8 @@ against a silent perturbed run's as evidence that the damage was read."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,28 @@ def test_plain_reference_runs_no_cache_reuse_no_eviction_one_request_at_a_time()
 def test_server_reference_refuses_an_empty_interpreter() -> None:
     with pytest.raises(ValueError, match="interpreter"):
         ServerReference("", "0.5.23", plain=True)
+
+
+def test_two_runs_needing_the_same_reference_at_once_compute_it_once(tmp_path: Path) -> None:
+    scenario = load_scenario(REPO / "configs" / "scenarios" / "clean-page1-noradix.yaml")
+    plan = make_plan(scenario.workload, scenario.seed)
+    engine = PLAIN.engine(scenario.engine_knobs)
+    computed: list[int] = []
+    first_started = threading.Event()
+
+    def compute() -> list[dict]:
+        computed.append(1)
+        first_started.set()
+        time.sleep(0.3)  # the second caller arrives while this one is still computing
+        return [{"rid": p.rid, "output_ids": [7, len(computed)]} for p in plan]
+
+    answers: list[dict] = []
+    threads = [threading.Thread(target=lambda: answers.append(
+        ServerOracle(tmp_path, engine, plan, PLAIN.describe()).reference(compute))) for _ in range(2)]
+    threads[0].start()
+    assert first_started.wait(10)
+    threads[1].start()
+    for thread in threads:
+        thread.join(10)
+    assert len(computed) == 1
+    assert answers[0] == answers[1] == {p.rid: [7, 1] for p in plan}

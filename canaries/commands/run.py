@@ -243,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
 
         # The fork server imports torch (and SGLang) while the scenarios load.
         prestart(args.engine_python, None, PRELOAD.get(args.memory or "", ()))
+    elif args.runtime == "sglang-server" and os.environ.get("CANARY_ENGINE_START", "auto") != "fresh":
+        from canaries.sglang.warm_parent import prestart_default_parent
+
+        # SGLang's import in the servers' warm parent (about 10 s) while the harness loads.
+        prestart_default_parent(args.device)
     check_engine_python(args.engine_python, args.memory, args.runtime)
     if args.baseline is not None and not (Path(args.baseline) / "verdicts.jsonl").is_file():
         raise UsageError(f"--baseline {args.baseline}: not a report directory (no verdicts.jsonl)")

@@ -119,6 +119,11 @@ def mismatches(reference: dict[str, list[int]], responses: Sequence[dict]) -> li
     return found
 
 
+# One lock per answers file: held while its answers are computed.
+_COMPUTING: dict[Path, threading.Lock] = {}
+_COMPUTING_LOCK = threading.Lock()
+
+
 class ServerOracle:
     """Clean answers of one reference server for one engine section and plan, computed at most
     once (cached on disk)."""
@@ -131,7 +136,15 @@ class ServerOracle:
         self.path = Path(cache_dir) / f"{self.key}.json"
 
     def reference(self, compute: Callable[[], list[dict]]) -> dict[str, list[int]]:
-        """The clean answers by rid: from the cache, else `compute()` (a clean run's responses)."""
+        """The clean answers by rid: from the cache, else `compute()` (a clean run's responses).
+        Two scenarios of a run that need the same answers at once (two controls side by side)
+        get one computation: the second waits for the first's."""
+        with _COMPUTING_LOCK:
+            computing = _COMPUTING.setdefault(self.path, threading.Lock())
+        with computing:
+            return self._reference(compute)
+
+    def _reference(self, compute: Callable[[], list[dict]]) -> dict[str, list[int]]:
         if self.path.is_file():
             return {rid: list(ids) for rid, ids in json.loads(self.path.read_text(encoding="utf-8")).items()}
         responses = compute()

@@ -23,21 +23,19 @@ from pathlib import Path
 import requests
 
 from canaries.runtime import safety
-from canaries.runtime.warm import WarmProcess, fork_server, start_mode
+from canaries.runtime.warm import WarmProcess, start_mode
 from canaries.sglang.server.knobs import knob_env, knob_refusals
-from canaries.sglang.server.launch import ServerLaunch, import_env, plugin_pythonpath
+from canaries.sglang.server.launch import ServerLaunch
 from canaries.sglang.server.lockstep import GATE_ENV, GateNotes
 from canaries.sglang.server.model import ServerModel
 from canaries.sglang.server.scheduler_plugin import EVENT_LOG_ENV, IDLE_ENV, PROGRESS_ENV
+from canaries.sglang.warm_parent import PLUGIN_DIR, REPO_ROOT, prestart_parent, warm_parent
 from engine_stub.config import EngineConfig
 
 __all__ = ["PLUGIN_DIR", "SGLangServer", "ServerStartError", "prestart_parent"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_DIR = REPO_ROOT / "canaries" / "sglang" / "server" / "plugin"
 READY_TIMEOUT_S = 600.0  # almost all of a start is imports: 65-80 s on two idle cores
 PORT_ATTEMPTS = 3  # a port taken under the server before it binds: start again on another
-FORK_PARENT = "canaries.sglang.server.fork_parent"
 # How long a stop waits for the scheduler's next fully-idle pass (its leak and tree checks) before
 # it falls back to SIGTERM: a pass runs every loop of an idle scheduler, well under a second.
 IDLE_PASS_WAIT_S = 3.0
@@ -92,26 +90,6 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _warm_parent(python: str, device: str):
-    """The warm parent (`canaries.sglang.server.fork_parent`) the CPU servers of `python` fork from."""
-    return fork_server(python, module=FORK_PARENT,
-                       env={**import_env(device), "PYTHONPATH": plugin_pythonpath(PLUGIN_DIR, REPO_ROOT)})
-
-
-def prestart_parent(python: str | os.PathLike, device: str = "cpu") -> None:
-    """Start the warm parent of `python`'s servers in the background, so that its imports (7-10 s)
-    overlap other work (`canary matrix` starts every column's at once); a failure is left for the
-    first server's start to raise. Nothing on a device that forks no server (CUDA)."""
-    if start_mode(os.environ.get("CANARY_ENGINE_START") or "auto", device) != "warm":
-        return
-
-    def start() -> None:
-        with contextlib.suppress(Exception):
-            _warm_parent(str(python), device)
-
-    threading.Thread(target=start, name="canary-server-parent-start", daemon=True).start()
 
 
 class SGLangServer:
@@ -192,7 +170,7 @@ class SGLangServer:
         safety.install_sigterm_handler()
         started = time.monotonic()
         if self.start_mode == "warm":
-            parent = _warm_parent(self.python, self.device)
+            parent = warm_parent(self.python, self.device)
             self.proc = parent.spawn(self.launch.args(), env, self.log_path, cwd=run_dir)
         else:
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()

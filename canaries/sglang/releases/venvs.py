@@ -57,12 +57,35 @@ def venv_for(source: Any, root: Path = REPO, *, server: bool = False) -> tuple[P
 
 
 def installed_version(python: Path) -> str | None:
-    """The sglang version `python`'s environment has installed (no import of sglang), or None."""
+    """The sglang version `python`'s environment has installed (no import of sglang), or None.
+
+    Asked again of a venv whose site-packages has not changed since (nothing installed or
+    removed), the answer is the one found then: every server scenario asks, and each asking
+    costs an interpreter's start."""
     if not python.is_file():
         return None
+    state = _install_state(python)
+    if state is not None and state in _VERSIONS:
+        return _VERSIONS[state]
     proc = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
                           capture_output=True, text=True, check=False)
-    return proc.stdout.strip() if proc.returncode == 0 else None
+    version = proc.stdout.strip() if proc.returncode == 0 else None
+    if state is not None:
+        _VERSIONS[state] = version
+    return version
+
+
+# (interpreter, its site-packages' mtimes) -> the sglang version found there.
+_VERSIONS: dict[tuple, str | None] = {}
+
+
+def _install_state(python: Path) -> tuple | None:
+    """What changes when a distribution is installed into or removed from `python`'s venv (a
+    dist-info directory added or removed), or None where it has no site-packages of its own."""
+    sites = sorted((python.parent.parent / "lib").glob("python*/site-packages"))
+    if not sites:
+        return None
+    return (str(python), *(site.stat().st_mtime_ns for site in sites))
 
 
 def release_python(source: Any, *, build: bool = True, root: Path = REPO,

@@ -38,7 +38,8 @@ PRELOAD = (
 # What every server imported on its own after the fork (`py-spy record --subprocesses` over a
 # library run: uvicorn's HTTP protocol alone was ~0.1 s of each start), where the release has it:
 # its uvicorn protocol and loop, the distributed communicators its scheduler's parallel set-up
-# imports, its tree core's Rust adapter, and the suite's census over SGLang's objects.
+# imports, its tree core's Rust adapter, and the suite's census over SGLang's objects (with the tree reader
+# and the component types its first census imports).
 PRELOAD_IF_PRESENT = (
     "uvicorn.protocols.http.auto",
     "uvicorn.protocols.http.h11_impl",
@@ -54,10 +55,13 @@ PRELOAD_IF_PRESENT = (
     "sglang.srt.distributed.device_communicators.shm_broadcast",
     "sglang.srt.distributed.device_communicators.pymscclpp",
     "sglang.srt.distributed.device_communicators.torch_symm_mem",
+    "sglang.srt.distributed.device_communicators.hpu_communicator",
+    "sglang.srt.mem_cache.unified_cache.component_type",
     "sglang.srt.arg_groups.pipeline",
     "sglang.srt.arg_groups.moe_hook",
     "canaries.sglang.server.census",
     "canaries.sglang.server.sglang_view",
+    "engine_stub.mem.sglang_tree",
 )
 
 
