@@ -373,7 +373,7 @@ def run_scenario(scenario: Any, run_dir: str | os.PathLike, runtime: str = "loca
                                    hang_up_by=getattr(rt, "hang_up_by", "gate"),
                                    lockstep=getattr(rt, "lockstep", None), cpu=lambda: _engine_cpu(rt))
         mark("drive")
-        oracle.start(responses)  # computed while the engine idles and stops
+        oracle.start(responses)  # ours computed while the engine idles and stops; a server's once it stopped
         hang = next((r["hang"] for r in responses if r.get("hang")), None) if rt.running else None
         timed_out = hang is not None
         # A stalled engine runs no idle check; SGLang's server has no /state (its own idle check

@@ -61,6 +61,19 @@ def test_silent_perturbed_run_records_the_answers_that_differ_without_judging_by
     assert oracle.record()["differs"] == [{"rid": "r0001", "first_diff": 2}]
 
 
+def test_silent_perturbed_run_whose_server_fires_as_it_stops_starts_no_reference(tmp_path: Path) -> None:
+    # No answers kept: a reference wanted here would start a server from an interpreter that does
+    # not exist, and say so in the record. The firing lands after the drive, at the last idle pass.
+    oracle = _oracle_with_cached_answers(tmp_path, {}, name="swap-next-token")
+    next(iter((tmp_path / "report" / ".server-oracle").glob("*.json"))).unlink()
+    events = tmp_path / "report" / "swap-next-token" / "events.jsonl"
+    events.write_text("")
+    oracle.start([{"rid": "r0000", "output_ids": [1, 2, 3]}])
+    events.write_text(json.dumps({"kind": "invariant_firing", "invariant": "idle.swa_ledger", "step": 9}) + "\n")
+    assert oracle.result() == ([], None)
+    assert oracle.record() is None
+
+
 def test_plain_reference_runs_no_cache_reuse_no_eviction_one_request_at_a_time() -> None:
     engine = {"radix_cache": True, "full_pool_tokens": 512, "swa_pool_tokens": 96, "max_running_requests": 4,
               "kv_canary": "log", "invariant_check": "strict", "page_size": 16}

@@ -228,6 +228,7 @@ class ServerAnswerOracle:
         # reference, and the release's behaviour, not a harness failure.
         self.no_oracle: str | None = None
         self._judged = False
+        self._responses: list[dict] | None = None  # the run's, until judged
         self._thread: threading.Thread | None = None
         if self._control:
             self._thread = threading.Thread(target=self._compute, daemon=True, name="canary-server-oracle")
@@ -242,13 +243,19 @@ class ServerAnswerOracle:
             self._error = f"the reference's answers failed: {type(exc).__name__}: {exc}"
 
     def start(self, responses: list[dict]) -> None:
-        """Hold `responses` (the run's) to the reference, where the verdict rests on silence."""
+        """Hold `responses` (the run's) to the reference, where the verdict rests on silence: once
+        the server has stopped (`result`), since its last idle pass may still fire a detector,
+        and a silent perturbed run's reference server then runs beside no other of this job's."""
+        self._responses = responses
+
+    def _judge(self) -> None:
         from canaries.verdict.record import detector_of
         from engine_stub.events import read_events
 
+        responses, self._responses = self._responses, None
         if self._thread is not None:
             self._thread.join()
-        if not (self._control or self._perturbed) or not responses:
+        if responses is None or not (self._control or self._perturbed) or not responses:
             return
         try:
             events = read_events(self._run_dir / "events.jsonl")
@@ -264,7 +271,9 @@ class ServerAnswerOracle:
             self._mismatches = mismatches(self._answers, responses)
 
     def result(self) -> tuple[list[dict], str | None]:
-        """(mismatches, error) of a control: its verdict's; a perturbed run's are `evidence`."""
+        """(mismatches, error) of a control: its verdict's; a perturbed run's are `evidence`.
+        Called once the server has stopped."""
+        self._judge()
         if self._thread is not None:
             self._thread.join()  # a run that ended early still leaves no reference server behind
         if not self._control:
