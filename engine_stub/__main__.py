@@ -89,14 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# How often, and how many times, a stop looks for the last answer's task to finish before it
+# leaves the drain to uvicorn (whose own tick is 0.1 s).
+_PROMPT_EXIT_LOOK_S = 0.002
+_PROMPT_EXIT_LOOKS = 50
+
+
 def _prompt_server_class(uvicorn: Any) -> type:
     """uvicorn's Server, stopping at once when it is asked to and nothing is left to drain.
 
     Asked (SIGTERM, SIGINT), uvicorn notices at its next 0.1 s tick (a signal another thread
     took wakes nobody), then gives open connections another 0.1 s: a harness that stops an
     engine per scenario pays both every time. Here the signal wakes the loop (a wakeup fd), and
-    with no connection open and no request in flight the engine drains and exits at once, as
-    the app's shutdown would; otherwise uvicorn drains the answers in flight first, as before.
+    once no request is in flight and no connection is `answering` (an idle keep-alive one,
+    which uvicorn's own shutdown closes at once too, or one whose client has not yet closed it)
+    the engine drains and exits, as the app's shutdown would: at once, or as soon as the last
+    answer's task has finished, looked for every 2 ms for 0.1 s; otherwise uvicorn drains the
+    answers in flight first, as before.
     """
 
     class PromptServer(uvicorn.Server):
@@ -118,11 +127,16 @@ def _prompt_server_class(uvicorn: Any) -> type:
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             with contextlib.suppress(RuntimeError):  # no loop yet: uvicorn sees should_exit
-                asyncio.get_running_loop().call_soon(self._exit_if_nothing_to_drain)
+                asyncio.get_running_loop().call_soon(self._exit_if_nothing_to_drain, _PROMPT_EXIT_LOOKS)
 
-        def _exit_if_nothing_to_drain(self) -> None:
+        def _exit_if_nothing_to_drain(self, looks_left: int) -> None:
             state = self.server_state
-            if state.connections or state.tasks:
+            if state.tasks or any(answering(connection) for connection in state.connections):
+                # Often the last answer's task is just finishing (its response sent): look again
+                # shortly, for as long as uvicorn's own tick would take to notice; then its drain.
+                if looks_left > 1:
+                    asyncio.get_running_loop().call_later(_PROMPT_EXIT_LOOK_S, self._exit_if_nothing_to_drain,
+                                                          looks_left - 1)
                 return
             self.engine.stop()  # the loop blocks meanwhile: nobody is waiting on it
             sys.stdout.flush()
@@ -130,6 +144,17 @@ def _prompt_server_class(uvicorn: Any) -> type:
             os._exit(0)
 
     return PromptServer
+
+
+def answering(connection: Any) -> bool:
+    """Whether one of uvicorn's HTTP connections still has an answer to make or send: a request
+    cycle not complete (uvicorn's own test of an idle connection at shutdown), or bytes its
+    transport has not handed to the kernel yet."""
+    cycle = getattr(connection, "cycle", None)
+    if cycle is not None and not getattr(cycle, "response_complete", False):
+        return True
+    transport = getattr(connection, "transport", None)
+    return transport is not None and transport.get_write_buffer_size() > 0
 
 
 def _notify_ready(line: str) -> None:

@@ -362,6 +362,50 @@ def test_sigterm_with_nothing_in_flight_drains_the_engine_and_exits_cleanly(tmp_
     assert shutdown["kind"] == "shutdown" and shutdown["completed"] == 1
 
 
+def test_sigterm_with_an_idle_keep_alive_connection_drains_the_engine_and_exits_cleanly(tmp_path: Path) -> None:
+    # The client keeps its connection open after its answer (as the harness's pool does): nothing
+    # is in flight, so the prompt exit takes it (uvicorn's own shutdown closes such a one too).
+    event_log = tmp_path / "events.jsonl"
+    server = start_server(event_log)
+    try:
+        with httpx.Client(timeout=30) as client:
+            answer = client.post(f"{server.url}/generate", json={"input_ids": [5], "sampling_params":
+                                                                 {"max_new_tokens": 2}})
+            assert answer.status_code == 200
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    shutdown = read_events(event_log)[-1]
+    assert shutdown["kind"] == "shutdown" and shutdown["completed"] == 1
+
+
+@dataclasses.dataclass
+class _Cycle:
+    response_complete: bool
+
+
+class _Transport:
+    def __init__(self, buffered: int) -> None:
+        self.buffered = buffered
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+@pytest.mark.parametrize(
+    ("cycle", "buffered", "answering"),
+    [(None, 0, False), (_Cycle(True), 0, False), (_Cycle(False), 0, True), (_Cycle(True), 12, True),
+     (None, 3, True)],
+    ids=["idle", "answered", "answer_being_made", "answer_not_yet_sent", "bytes_left"],
+)
+def test_prompt_exit_waits_only_for_a_connection_still_answering(cycle: Any, buffered: int, answering: bool) -> None:
+    from engine_stub.__main__ import answering as still_answering
+
+    connection = type("Connection", (), {"cycle": cycle, "transport": _Transport(buffered)})()
+    assert still_answering(connection) is answering
+
+
 # ---- sampling: any accepted temperature gets an answer -----------------------------------------
 
 
