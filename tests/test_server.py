@@ -346,25 +346,10 @@ def test_sigterm_with_a_request_in_flight_answers_it_in_full_then_exits_cleanly(
     assert kinds[-1] == "shutdown" and kinds.count("request_finished") == 1
 
 
-def test_sigterm_with_nothing_in_flight_drains_the_engine_and_exits_cleanly(tmp_path: Path) -> None:
-    event_log = tmp_path / "events.jsonl"
-    server = start_server(event_log)
-    try:
-        answer = httpx.post(f"{server.url}/generate", json={"input_ids": [5], "sampling_params":
-                                                             {"max_new_tokens": 2}}, timeout=30)
-        assert answer.status_code == 200
-        time.sleep(0.3)  # the client's connection closed on the server's side too
-        os.killpg(server.proc.pid, signal.SIGTERM)
-        assert server.proc.wait(timeout=30) == 0
-    finally:
-        server.stop()
-    shutdown = read_events(event_log)[-1]
-    assert shutdown["kind"] == "shutdown" and shutdown["completed"] == 1
-
-
-def test_sigterm_with_an_idle_keep_alive_connection_drains_the_engine_and_exits_cleanly(tmp_path: Path) -> None:
-    # The client keeps its connection open after its answer (as the harness's pool does): nothing
-    # is in flight, so the prompt exit takes it (uvicorn's own shutdown closes such a one too).
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["connection_closed", "idle_keep_alive_connection"])
+def test_sigterm_with_nothing_in_flight_drains_the_engine_and_exits_cleanly(tmp_path: Path, keep_alive: bool) -> None:
+    # Nothing in flight, whether the client closed its connection or keeps it open after its
+    # answer (as the harness's pool does; uvicorn's own shutdown closes such a one at once too).
     event_log = tmp_path / "events.jsonl"
     server = start_server(event_log)
     try:
@@ -372,6 +357,9 @@ def test_sigterm_with_an_idle_keep_alive_connection_drains_the_engine_and_exits_
             answer = client.post(f"{server.url}/generate", json={"input_ids": [5], "sampling_params":
                                                                  {"max_new_tokens": 2}})
             assert answer.status_code == 200
+            if not keep_alive:
+                client.close()
+                time.sleep(0.3)  # the client's connection closed on the server's side too
             os.killpg(server.proc.pid, signal.SIGTERM)
             assert server.proc.wait(timeout=30) == 0
     finally:
